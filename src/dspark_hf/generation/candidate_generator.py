@@ -1,0 +1,177 @@
+"""`DSparkCandidateGenerator`: DSpark drafting inside transformers' own assisted-decoding loop (batch 1).
+
+transformers verifies the candidates (greedy match or `_speculative_sampling`); we hand it, per drafted token, the
+processed float32 logits the token was drawn from, so sampling stays exactly the target's distribution.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import GenerationConfig, PreTrainedModel
+from transformers.cache_utils import DynamicCache
+from transformers.generation import CandidateGenerator, LogitsProcessorList
+from transformers.generation.stopping_criteria import StopStringCriteria
+
+from ..models import DSparkDraftModel
+from .target_features import check_drafter_fits_target, extract_target_features, hidden_states_request
+
+
+@dataclass
+class DSparkStats:
+    """What one `generate()` call did, round by round (read it from `drafter.generation_stats`).
+
+    `drafted[i]` tokens proposed in round i, `committed[i]` tokens it added (accepted drafts + bonus/correction),
+    `confidence_logits[i]` the raw confidence logits of the proposed slots, `draft_seconds[i]` drafting time and
+    `verify_seconds[i]` the time from handing the candidates over to the next call (target forward, acceptance,
+    bookkeeping). The prefill round is not counted.
+    """
+
+    drafted: list[int] = field(default_factory=list)
+    committed: list[int] = field(default_factory=list)
+    confidence_logits: list[torch.Tensor] = field(default_factory=list)
+    draft_seconds: list[float] = field(default_factory=list)
+    verify_seconds: list[float] = field(default_factory=list)
+
+    @property
+    def rounds(self) -> int:
+        return len(self.committed)
+
+    @property
+    def tau(self) -> float:
+        """Mean accepted length per round, bonus included (DeepSpec's τ)."""
+        return sum(self.committed) / max(1, self.rounds)
+
+    def acceptance_by_position(self) -> list[float]:
+        """accept_rate@k: fraction of rounds with > k drafted tokens in which draft k+1 was accepted."""
+        gamma = max(self.drafted, default=0)
+        rates = []
+        for k in range(gamma):
+            proposed = [c - 1 for d, c in zip(self.drafted, self.committed) if d > k]
+            rates.append(sum(a > k for a in proposed) / len(proposed) if proposed else float("nan"))
+        return rates
+
+
+class DSparkCandidateGenerator(CandidateGenerator):
+    """Proposes DSpark blocks from the target's hidden states (transformers' target-output protocol)."""
+
+    requires_model_outputs = True
+
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        drafter: DSparkDraftModel,
+        generation_config: GenerationConfig,
+        logits_processor: LogitsProcessorList,
+        tokenizer=None,
+    ):
+        check_drafter_fits_target(drafter.config, target)
+        drafter.share_target_weights(target)
+        self.target = target
+        self.drafter = drafter
+        self.logits_processor = logits_processor
+        self.do_sample = bool(generation_config.do_sample)
+        self.max_length = generation_config.max_length
+        eos = generation_config._eos_token_tensor
+        self.eos_token_ids = eos.reshape(-1).to(target.device) if eos is not None else None
+        self.stop_strings = (
+            StopStringCriteria(tokenizer=tokenizer, stop_strings=generation_config.stop_strings)
+            if generation_config.stop_strings is not None and tokenizer is not None
+            else None
+        )
+        self.num_target_layers = target.config.get_text_config().num_hidden_layers
+        self.model_kwargs_overrides = {"output_hidden_states": hidden_states_request(drafter.config)}
+        self.cache = DynamicCache()
+        self.context_length = 0  # target positions whose features are in the drafter cache
+        self.stats = DSparkStats()
+        drafter.generation_stats = self.stats
+        self._handed_over_at: float | None = None
+        self._length_before_verify: int | None = None  # None: the last forward was the prefill
+
+    # transformers calls this with keyword arguments (see `_assisted_decoding`).
+    def get_candidates(
+        self,
+        input_ids: torch.LongTensor,
+        model_kwargs: dict | None = None,
+        model_outputs=None,
+        is_first_iteration: bool = False,
+        n_last_matches: int = 0,
+        **kwargs,
+    ) -> tuple[torch.LongTensor, torch.Tensor | None]:
+        if is_first_iteration or model_outputs is None:
+            return input_ids, None  # the target prefills first; its hidden states arrive with the next call
+        started = time.perf_counter()
+        if self._handed_over_at is not None:
+            self.stats.verify_seconds.append(started - self._handed_over_at)
+
+        anchor_position = input_ids.shape[1] - 1
+        new_context = anchor_position - self.context_length
+        features = extract_target_features(model_outputs.hidden_states, self.drafter.config, self.num_target_layers)
+        features = features[:, :new_context].to(self.drafter.device)
+        device = self.drafter.device
+        context_positions = torch.arange(self.context_length, anchor_position, device=device)[None]
+        block_positions = torch.arange(anchor_position, anchor_position + self.drafter.config.block_size, device=device)
+        self.context_length = anchor_position
+
+        budget = self.max_length - input_ids.shape[1] - 1
+        proposal = self.drafter.draft(
+            input_ids[:, -1].to(device),
+            features,
+            self.cache,
+            position_ids=block_positions[None],
+            context_position_ids=context_positions,
+            num_tokens=max(budget, 1),
+            select=self._selector(input_ids),
+        )
+        tokens = proposal.tokens.to(input_ids.device)
+        num_tokens = self._stop_length(input_ids, tokens) if budget > 0 else 0
+
+        self.stats.draft_seconds.append(time.perf_counter() - started)
+        self._handed_over_at = time.perf_counter()
+        self._length_before_verify = input_ids.shape[1]
+        if num_tokens == 0:
+            self.stats.drafted.append(0)
+            self.stats.confidence_logits.append(torch.empty(0))
+            return input_ids, None
+        self.stats.drafted.append(num_tokens)
+        if proposal.confidence_logits is not None:
+            self.stats.confidence_logits.append(proposal.confidence_logits[0, :num_tokens].cpu())
+        candidates = torch.cat([input_ids, tokens[:, :num_tokens]], dim=1)
+        return candidates, proposal.logits[:, :num_tokens].to(input_ids.device)
+
+    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None:
+        if self._length_before_verify is not None:
+            self.stats.committed.append(input_ids.shape[1] - self._length_before_verify)
+
+    # ------------------------------------------------------------------ helpers
+    def _selector(self, prefix: torch.LongTensor):
+        """Slot-wise token choice with the target's logits processors, on the growing candidate prefix."""
+        processors, do_sample = self.logits_processor, self.do_sample
+
+        def select(drafted: torch.LongTensor, logits: torch.Tensor) -> tuple[torch.LongTensor, torch.Tensor]:
+            processed = logits
+            if len(processors) > 0:
+                ids = torch.cat([prefix, drafted.to(prefix.device)], dim=1)
+                processed = processors(ids, logits.clone().to(prefix.device)).to(logits.device)
+            if do_sample:
+                token = torch.multinomial(processed.softmax(dim=-1), num_samples=1).squeeze(1)
+            else:
+                token = processed.argmax(dim=-1)
+            return token, processed
+
+        return select
+
+    def _stop_length(self, input_ids: torch.LongTensor, tokens: torch.LongTensor) -> int:
+        """Drafts to keep: up to and including the first eos or stop-string completion (plain decoding stops there)."""
+        length = tokens.shape[1]
+        if self.eos_token_ids is not None:
+            hits = torch.isin(tokens[0], self.eos_token_ids).nonzero()
+            if hits.numel():
+                length = int(hits[0, 0]) + 1
+        if self.stop_strings is not None:
+            for end in range(1, length):
+                if bool(self.stop_strings(torch.cat([input_ids, tokens[:, :end]], dim=1), None).any()):
+                    return end
+        return length

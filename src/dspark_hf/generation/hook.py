@@ -1,0 +1,102 @@
+"""The one hook that makes `target.generate(..., assistant_model=<DSparkDraftModel>)` run DSpark.
+
+transformers (5.17 and later 5.x) has no public argument to choose a candidate generator, so `install()` wraps two
+private `GenerationMixin` methods, and only changes their behaviour when the assistant is a `DSparkDraftModel`:
+
+- `_validate_generation_mode`: checks the drafter against the target and the generation arguments, with clear
+  errors, before any work;
+- `_get_candidate_generator`: returns a `DSparkCandidateGenerator`.
+
+`install()` runs on `import dspark_hf`. It checks the transformers version and the two methods' signatures and
+refuses to patch a transformers it does not recognise, recording why in `DSparkDraftModel.hook_unavailable_reason`;
+DSpark generation then raises that reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import transformers
+from packaging.version import Version
+from transformers.generation.configuration_utils import GenerationMode
+from transformers.generation.utils import GenerationMixin
+
+from ..models import DSparkDraftModel
+from .candidate_generator import DSparkCandidateGenerator
+from .target_features import check_drafter_fits_target
+
+MIN_TRANSFORMERS = Version("5.17.0")
+_EXPECTED_PARAMETERS = {
+    "_get_candidate_generator": {"generation_config", "input_ids", "logits_processor", "model_kwargs", "assistant_model"},
+    "_validate_generation_mode": {"generation_mode", "generation_config", "generation_mode_kwargs"},
+}
+_INSTALLED_MARK = "__dspark_hf_hook__"
+
+
+
+def _validate_dspark_generation(target, generation_mode, generation_config, drafter: DSparkDraftModel) -> None:
+    if generation_mode != GenerationMode.ASSISTED_GENERATION:
+        raise ValueError(
+            f"DSpark speculative decoding serves greedy decoding and sampling; this call asks for {generation_mode.value} "
+            f"(num_beams={generation_config.num_beams}). Use num_beams=1 or drop assistant_model."
+        )
+    if generation_config.num_return_sequences != 1:
+        raise ValueError("DSpark generation returns one sequence per prompt: set num_return_sequences=1.")
+    if generation_config.assistant_ensemble_weight is not None:
+        raise ValueError("assistant_ensemble_weight makes speculative decoding lossy; DSpark refuses it.")
+    for flag in ("prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp"):
+        if getattr(generation_config, flag, None):
+            raise ValueError(f"{flag} selects another drafting method; it cannot be combined with a DSpark drafter.")
+    check_drafter_fits_target(drafter.config, target)
+
+
+def install() -> None:
+    """Patches `GenerationMixin` once; safe to call repeatedly."""
+    version = Version(transformers.__version__)
+    if version < MIN_TRANSFORMERS:
+        DSparkDraftModel.hook_unavailable_reason = f"dspark_hf needs transformers >= {MIN_TRANSFORMERS}, found {version}."
+        return
+    for name, expected in _EXPECTED_PARAMETERS.items():
+        method = getattr(GenerationMixin, name, None)
+        if method is None or not expected <= set(inspect.signature(method).parameters):
+            DSparkDraftModel.hook_unavailable_reason = (
+                f"transformers {version} changed GenerationMixin.{name}; this dspark_hf release cannot hook it. "
+                "Install a transformers version in the range tested by dspark_hf (see README)."
+            )
+            return
+    if getattr(GenerationMixin._get_candidate_generator, _INSTALLED_MARK, False):
+        return
+
+    original_validate = GenerationMixin._validate_generation_mode
+    original_get_generator = GenerationMixin._get_candidate_generator
+
+    @functools.wraps(original_validate)
+    def _validate_generation_mode(self, generation_mode, generation_config, generation_mode_kwargs):
+        drafter = generation_mode_kwargs.get("assistant_model")
+        if isinstance(drafter, DSparkDraftModel):
+            _validate_dspark_generation(self, generation_mode, generation_config, drafter)
+        return original_validate(self, generation_mode, generation_config, generation_mode_kwargs)
+
+    @functools.wraps(original_get_generator)
+    def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
+                                 assistant_model=None, target_tokenizer=None, assistant_tokenizer=None, **kwargs):
+        if not isinstance(assistant_model, DSparkDraftModel):
+            return original_get_generator(
+                self, generation_config=generation_config, input_ids=input_ids, inputs_tensor=inputs_tensor,
+                logits_processor=logits_processor, model_kwargs=model_kwargs, assistant_model=assistant_model,
+                target_tokenizer=target_tokenizer, assistant_tokenizer=assistant_tokenizer, **kwargs,
+            )
+        if input_ids.shape[0] != 1:
+            raise ValueError(
+                f"DSpark generate() runs one prompt at a time for now (got batch size {input_ids.shape[0]}); "
+                "batched DSpark decoding is a planned feature. Call generate() per prompt."
+            )
+        return DSparkCandidateGenerator(
+            self, assistant_model, generation_config, logits_processor, tokenizer=target_tokenizer
+        )
+
+    setattr(_get_candidate_generator, _INSTALLED_MARK, True)
+    GenerationMixin._validate_generation_mode = _validate_generation_mode
+    GenerationMixin._get_candidate_generator = _get_candidate_generator
+    DSparkDraftModel.hook_unavailable_reason = None

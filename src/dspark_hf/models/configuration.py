@@ -1,0 +1,84 @@
+"""`DSparkConfig`: the drafter's configuration (a Qwen3-family backbone plus the DSpark fields).
+
+A DeepSpec checkpoint's `config.json` (`architectures: ["Qwen3DSparkModel"]`, `model_type: "qwen3"`) is a deep
+copy of the target's config plus the DSpark fields, so it parses into this class as it is: no conversion step.
+"""
+
+from __future__ import annotations
+
+from huggingface_hub.dataclasses import strict
+from transformers import Qwen3Config
+
+# Checkpoint layouts this class reads directly (`architectures[0]` in config.json).
+NATIVE_ARCHITECTURES = ("DSparkDraftModel",)
+DEEPSPEC_ARCHITECTURES = ("Qwen3DSparkModel",)
+KNOWN_ARCHITECTURES = NATIVE_ARCHITECTURES + DEEPSPEC_ARCHITECTURES
+MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
+
+
+@strict
+class DSparkConfig(Qwen3Config):
+    r"""Configuration of a DSpark (or, with `markov_rank=0` and no confidence head, DFlash) drafter.
+
+    Backbone fields are Qwen3's. DSpark fields:
+
+    - `block_size` (γ): the drafter reads `[anchor, mask × (γ-1)]` and drafts γ tokens; slot i predicts position
+      `anchor + i + 1`.
+    - `target_layer_ids`: 0-based decoder layers of the target whose outputs are concatenated as the context
+      features (`-1` = the embedding output). Never the target's last layer (HF returns it post-norm).
+    - `num_target_layers`: number of decoder layers of the target the drafter was trained for.
+    - `mask_token_id`: id of the mask token filling the γ-1 slots after the anchor.
+    - `markov_rank` / `markov_head_type`: the low-rank Markov head (`vanilla`, `gated`, `rnn`); rank 0 disables it.
+    - `enable_confidence_head` / `confidence_head_with_markov`: the per-slot acceptance predictor.
+    - `sts_temperatures`: per-slot temperatures from Sequential Temperature Scaling (None = uncalibrated).
+    - `num_anchors`: anchors sampled per training sequence.
+    """
+
+    model_type = "dspark"
+
+    block_size: int = 7
+    target_layer_ids: list[int] | None = None
+    num_target_layers: int | None = None
+    mask_token_id: int | None = None
+    num_anchors: int = 512
+    markov_rank: int = 256
+    markov_head_type: str | None = "vanilla"
+    enable_confidence_head: bool = True
+    confidence_head_with_markov: bool = True
+    sts_temperatures: list[float] | None = None
+
+    def __post_init__(self, **kwargs):
+        architectures = self.architectures or kwargs.get("architectures") or []
+        if architectures and architectures[0] not in KNOWN_ARCHITECTURES:
+            raise ValueError(
+                f"Unknown drafter checkpoint format {architectures[0]!r}. DSparkConfig reads: "
+                f"{', '.join(KNOWN_ARCHITECTURES)} (native and DeepSpec Qwen3 DSpark/DFlash)."
+            )
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}.")
+        if self.markov_rank < 0:
+            raise ValueError(f"markov_rank must be >= 0, got {self.markov_rank}.")
+        if self.markov_rank > 0:
+            self.markov_head_type = (self.markov_head_type or "vanilla").lower()
+            if self.markov_head_type not in MARKOV_HEAD_TYPES:
+                raise ValueError(
+                    f"markov_head_type must be one of {MARKOV_HEAD_TYPES}, got {self.markov_head_type!r}."
+                )
+        if self.sts_temperatures is not None and len(self.sts_temperatures) != self.block_size:
+            raise ValueError(
+                f"sts_temperatures has {len(self.sts_temperatures)} entries, expected block_size={self.block_size}."
+            )
+        # DeepSpec drafters attend to all context and the whole block: no sliding window.
+        if self.layer_types is None:
+            self.layer_types = ["full_attention"] * self.num_hidden_layers
+        super().__post_init__(**kwargs)
+
+    @property
+    def is_dflash(self) -> bool:
+        """True for a plain DFlash drafter (no Markov head, no confidence head)."""
+        return self.markov_rank == 0 and not self.enable_confidence_head
+
+    @property
+    def confidence_input_size(self) -> int:
+        uses_markov = self.confidence_head_with_markov and self.markov_rank > 0
+        return self.hidden_size + (self.markov_rank if uses_markov else 0)

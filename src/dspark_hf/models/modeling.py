@@ -1,0 +1,278 @@
+"""`DSparkDraftModel`: the DSpark / DFlash block drafter as a `PreTrainedModel`.
+
+State-dict keys equal DeepSpec's un-prefixed keys (`embed_tokens.weight`, `layers.N.…`, `fc.weight`,
+`hidden_norm.weight`, `norm.weight`, `lm_head.weight`, `markov_head.markov_w{1,2}.weight`,
+`confidence_head.proj.{weight,bias}`), so `deepseek-ai/dspark_qwen3_*_block7` checkpoints load as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache
+from transformers.modeling_outputs import BaseModelOutputWithPast
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding
+
+from .configuration import DSparkConfig
+from .heads import ConfidenceHead, MarkovHead
+from .qwen3 import DSparkDecoderLayer
+
+# Weights the drafter may take from its target instead of storing its own copy.
+SHAREABLE_WEIGHTS = {"embed_tokens.weight": "embed_tokens", "lm_head.weight": "lm_head"}
+
+# `select(drafted_so_far [B, i], logits [B, V] float32) -> (tokens [B], processed logits [B, V] float32)`:
+# picks slot i's token and returns the exact logits it was drawn from (softmax of them = q).
+TokenSelector = Callable[[torch.LongTensor, torch.Tensor], tuple[torch.LongTensor, torch.Tensor]]
+
+
+def greedy_selector(drafted: torch.LongTensor, logits: torch.Tensor) -> tuple[torch.LongTensor, torch.Tensor]:
+    """Default selector: argmax of the raw logits."""
+    return logits.argmax(dim=-1), logits
+
+
+@dataclass
+class DraftProposal:
+    """One round of drafting for a batch of requests.
+
+    `tokens` [B, k]: drafted tokens. `logits` [B, k, V] float32: the processed logits each token was drawn from.
+    `confidence_logits` [B, k] float32 or None: raw (uncalibrated) confidence-head logits, slot k conditional
+    on slots < k having been accepted.
+    """
+
+    tokens: torch.LongTensor
+    logits: torch.Tensor
+    confidence_logits: torch.Tensor | None = None
+
+
+class DSparkPreTrainedModel(PreTrainedModel):
+    config_class = DSparkConfig
+    config: DSparkConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    _no_split_modules = ["DSparkDecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+
+
+class DSparkDraftModel(DSparkPreTrainedModel):
+    """The DSpark drafter: a few Qwen3-style layers over `[anchor, mask × (γ-1)]` with the target's features injected.
+
+    Use it as `target.generate(**inputs, assistant_model=drafter)` after `import dspark_hf`.
+    """
+
+    # Set by `dspark_hf.generation.hook.install()`: None once generate() routes DSpark drafters, else the reason.
+    hook_unavailable_reason: str | None = "dspark_hf's generate() hook is not installed (import dspark_hf)."
+
+    def __init__(self, config: DSparkConfig):
+        super().__init__(config)
+        if not config.target_layer_ids:
+            raise ValueError("DSparkConfig.target_layer_ids must list the target layers the drafter reads.")
+        if config.mask_token_id is None:
+            raise ValueError("DSparkConfig.mask_token_id must be set (the token filling the block after the anchor).")
+        hidden = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, hidden, config.pad_token_id)
+        self.layers = nn.ModuleList(DSparkDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.fc = nn.Linear(len(config.target_layer_ids) * hidden, hidden, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(hidden, config.vocab_size, bias=False)
+        self.rotary_emb = Qwen3RotaryEmbedding(config=config)
+        self.markov_head = MarkovHead(config) if config.markov_rank > 0 else None
+        self.confidence_head = ConfidenceHead(config) if config.enable_confidence_head else None
+        # Weights absent from the loaded checkpoint, to be taken from the target (see `share_target_weights`).
+        self.weights_from_target: set[str] = set()
+        self.post_init()
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs) -> DSparkDraftModel:
+        """Loads a native or DeepSpec (`Qwen3DSparkModel`) checkpoint; safetensors only.
+
+        Missing or unexpected weights raise `ValueError`, except `embed_tokens.weight` / `lm_head.weight`, which may
+        be absent: they are then taken from the target when generation starts.
+        """
+        if kwargs.get("use_safetensors") is False:
+            raise ValueError("dspark_hf loads safetensors checkpoints only (no pickle).")
+        kwargs["use_safetensors"] = True
+        want_info = kwargs.pop("output_loading_info", False)
+        try:
+            model, info = super().from_pretrained(
+                pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
+            )
+        except (OSError, RuntimeError, EnvironmentError) as error:
+            raise ValueError(
+                f"Could not load a DSpark drafter from {pretrained_model_name_or_path!r}: {error}\n"
+                "dspark_hf needs config.json plus model.safetensors (or a sharded safetensors index). If the files "
+                "exist, they may be truncated or corrupt: download them again."
+            ) from error
+        missing = set(info["missing_keys"])
+        problems = []
+        if missing - SHAREABLE_WEIGHTS.keys():
+            problems.append(f"missing weights: {sorted(missing - SHAREABLE_WEIGHTS.keys())}")
+        if info["unexpected_keys"]:
+            problems.append(f"unexpected weights: {sorted(info['unexpected_keys'])}")
+        if info.get("mismatched_keys"):
+            problems.append(f"weights with the wrong shape: {sorted(info['mismatched_keys'])}")
+        if problems:
+            raise ValueError(
+                f"The checkpoint at {pretrained_model_name_or_path!r} does not match its config "
+                f"({model.config.num_hidden_layers} layers, markov_rank={model.config.markov_rank}, "
+                f"confidence head={model.config.enable_confidence_head}): " + "; ".join(problems)
+            )
+        model.weights_from_target = {SHAREABLE_WEIGHTS[key] for key in missing}
+        return (model, info) if want_info else model
+
+    def share_target_weights(self, target: PreTrainedModel) -> list[str]:
+        """Uses the target's input embedding and LM head where ours are absent or identical; returns what was shared.
+
+        Sharing means the drafter holds the target's `Parameter`, so no second vocab matrix stays in memory.
+        """
+        shared = []
+        pairs = (("embed_tokens", target.get_input_embeddings()), ("lm_head", target.get_output_embeddings()))
+        for name, theirs in pairs:
+            ours: nn.Module = getattr(self, name)
+            theirs_weight = getattr(theirs, "weight", None)
+            if theirs_weight is None or ours.weight is theirs_weight:
+                if name in self.weights_from_target and theirs_weight is None:
+                    raise ValueError(f"The drafter has no {name} weights and the target exposes none to share.")
+                shared += [name] if theirs_weight is not None else []
+                continue
+            if theirs_weight.shape != ours.weight.shape:
+                if name in self.weights_from_target:
+                    raise ValueError(
+                        f"The drafter needs the target's {name} ({tuple(ours.weight.shape)}) but the target's has "
+                        f"shape {tuple(theirs_weight.shape)}."
+                    )
+                continue
+            identical = (
+                theirs_weight.dtype == ours.weight.dtype
+                and theirs_weight.device == ours.weight.device
+                and torch.equal(theirs_weight, ours.weight)
+            )
+            if name in self.weights_from_target or identical:
+                ours.weight = theirs_weight
+                shared.append(name)
+        self.weights_from_target.difference_update(shared)
+        return shared
+
+    def generate(self, *args, **kwargs):
+        """Not a standalone LM: reached only when transformers routes the drafter to its default assistant path."""
+        raise RuntimeError(
+            "A DSparkDraftModel drafts for a target: call target.generate(..., assistant_model=drafter). "
+            f"{self.hook_unavailable_reason or ''}"
+        )
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        target_hidden_states: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        context_position_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        """Runs the backbone over block tokens with the target's features injected.
+
+        `input_ids` [B, Q] block tokens (or `inputs_embeds`); `target_hidden_states` [B, C, K·H] raw target features
+        of C new context positions (concatenated over `target_layer_ids`). Positions default to: context right after
+        what the cache holds, block right after the context. `attention_mask` (optional, [B, 1, Q, C_total + Q]) is
+        used for training-time block masks; inference attends to everything. Returns the final-normed block hidden
+        states [B, Q, H].
+        """
+        if self.weights_from_target:
+            raise ValueError(
+                f"This drafter's {sorted(self.weights_from_target)} come from its target: call "
+                "`drafter.share_target_weights(target)` first (generate() does it for you)."
+            )
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        hidden_states = inputs_embeds.to(self.fc.weight.dtype)
+        batch, block_len = hidden_states.shape[:2]
+        if target_hidden_states is None:
+            target_hidden_states = hidden_states.new_zeros(batch, 0, self.fc.in_features)
+        context = self.hidden_norm(self.fc(target_hidden_states.to(hidden_states.dtype)))
+        context_len = context.shape[1]
+        if context_position_ids is None or position_ids is None:
+            cached = past_key_values.get_seq_length() if past_key_values is not None else 0
+            offsets = torch.arange(context_len + block_len, device=hidden_states.device) + cached
+            context_position_ids = offsets[:context_len].expand(batch, -1) if context_position_ids is None else context_position_ids
+            position_ids = offsets[context_len:].expand(batch, -1) if position_ids is None else position_ids
+        rotary = self.rotary_emb(hidden_states, position_ids)
+        context_rotary = self.rotary_emb(hidden_states, context_position_ids)
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, context, rotary, context_rotary, attention_mask, past_key_values)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """LM-head logits in float32 (the weight may be the target's, possibly of another dtype)."""
+        weight = self.lm_head.weight
+        return nn.functional.linear(hidden_states.to(weight.dtype), weight).float()
+
+    def confidence_logits(self, hidden_states: torch.Tensor, prev_ids: torch.LongTensor) -> torch.Tensor | None:
+        """Raw confidence logits [..., γ] for slots with hidden states [..., γ, H] and predecessors [..., γ]."""
+        if self.confidence_head is None:
+            return None
+        use_code = self.config.confidence_head_with_markov and self.markov_head is not None
+        code = self.markov_head.markov_w1(prev_ids) if use_code else None
+        return self.confidence_head(hidden_states, code).float()
+
+    # ------------------------------------------------------------------ drafting
+    @torch.no_grad()
+    def draft(
+        self,
+        anchor_ids: torch.LongTensor,
+        target_hidden_states: torch.Tensor,
+        past_key_values: Cache,
+        position_ids: torch.LongTensor | None = None,
+        context_position_ids: torch.LongTensor | None = None,
+        num_tokens: int | None = None,
+        select: TokenSelector = greedy_selector,
+    ) -> DraftProposal:
+        """Drafts up to `block_size` tokens after `anchor_ids` [B] in one backbone forward plus the Markov loop.
+
+        The new context features are appended to `past_key_values` (context K/V only). Slot i's logits are the
+        backbone logits plus the Markov bias of the token drafted at slot i-1 (the anchor for i = 0); `select` turns
+        them into a token and the exact logits it was drawn from.
+        """
+        gamma = self.config.block_size
+        num_tokens = gamma if num_tokens is None else min(num_tokens, gamma)
+        batch = anchor_ids.shape[0]
+        block_ids = anchor_ids.new_full((batch, gamma), self.config.mask_token_id)
+        block_ids[:, 0] = anchor_ids
+        hidden = self(
+            input_ids=block_ids,
+            target_hidden_states=target_hidden_states,
+            position_ids=position_ids,
+            context_position_ids=context_position_ids,
+            past_key_values=past_key_values,
+        ).last_hidden_state
+        base_logits = self.compute_logits(hidden[:, :num_tokens])
+
+        tokens, step_logits = [], []
+        prev = anchor_ids
+        state = self.markov_head.initial_state(batch, hidden) if self.markov_head is not None else None
+        for slot in range(num_tokens):
+            logits = base_logits[:, slot]
+            if self.markov_head is not None:
+                bias, state = self.markov_head.step(prev, hidden[:, slot], state)
+                logits = logits + bias.float()
+            drafted = torch.stack(tokens, dim=1) if tokens else anchor_ids.new_empty(batch, 0)
+            prev, processed = select(drafted, logits)
+            tokens.append(prev)
+            step_logits.append(processed)
+        token_tensor = torch.stack(tokens, dim=1)
+        prev_ids = torch.cat([anchor_ids[:, None], token_tensor[:, :-1]], dim=1)
+        return DraftProposal(
+            tokens=token_tensor,
+            logits=torch.stack(step_logits, dim=1),
+            confidence_logits=self.confidence_logits(hidden[:, :num_tokens], prev_ids),
+        )

@@ -1,0 +1,129 @@
+"""The Qwen3-family DSpark backbone: a Qwen3 decoder layer whose attention also reads injected context K/V.
+
+"KV injection" (DeepSpec `Qwen3DSparkAttention`): queries come from the block tokens only; keys and values are
+`[k_proj(ctx); k_proj(x)]` and `[v_proj(ctx); v_proj(x)]`, where ctx = `hidden_norm(fc(target features))` is the
+same tensor for every layer and is *not* passed through `input_layernorm`. Attention is non-causal: the block sees
+all the context and its whole self. Only the context K/V go into the drafter cache; block K/V are never cached.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3MLP,
+    Qwen3RMSNorm,
+    apply_rotary_pos_emb,
+    eager_attention_forward,
+)
+
+from .configuration import DSparkConfig
+
+RotaryPair = tuple[torch.Tensor, torch.Tensor]
+
+
+def _rotate(states: torch.Tensor, rotary: RotaryPair) -> torch.Tensor:
+    """Applies RoPE to [B, heads, T, hd] states (`apply_rotary_pos_emb` rotates q and k; we use one side)."""
+    cos, sin = rotary
+    return apply_rotary_pos_emb(states, states, cos, sin)[0]
+
+
+class DSparkAttention(nn.Module):
+    """Qwen3 attention with the target context injected as extra keys/values."""
+
+    def __init__(self, config: DSparkConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = False
+        hidden, heads, kv_heads, bias = (
+            config.hidden_size,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.attention_bias,
+        )
+        self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(heads * self.head_dim, hidden, bias=bias)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def _keys_values(self, states: torch.Tensor, rotary: RotaryPair) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (*states.shape[:-1], -1, self.head_dim)
+        keys = self.k_norm(self.k_proj(states).view(shape)).transpose(1, 2)
+        values = self.v_proj(states).view(shape).transpose(1, 2)
+        return _rotate(keys, rotary), values
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        context: torch.Tensor,
+        rotary: RotaryPair,
+        context_rotary: RotaryPair,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+    ) -> torch.Tensor:
+        """`hidden_states` [B, Q, H] block, `context` [B, C, H] new projected context (C may be 0).
+
+        With a cache, the new context K/V are appended to it and the block attends to everything cached.
+        """
+        input_shape = hidden_states.shape[:-1]
+        query = self.q_norm(self.q_proj(hidden_states).view(*input_shape, -1, self.head_dim)).transpose(1, 2)
+        query = _rotate(query, rotary)
+        context_keys, context_values = self._keys_values(context, context_rotary)
+        if past_key_values is not None:
+            context_keys, context_values = past_key_values.update(context_keys, context_values, self.layer_idx)
+        block_keys, block_values = self._keys_values(hidden_states, rotary)
+        keys = torch.cat([context_keys, block_keys], dim=2)
+        values = torch.cat([context_values, block_values], dim=2)
+
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        output, _ = attention_interface(
+            self,
+            query,
+            keys,
+            values,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            is_causal=False,
+        )
+        return self.o_proj(output.reshape(*input_shape, -1).contiguous())
+
+
+class DSparkDecoderLayer(nn.Module):
+    """Pre-norm Qwen3 block; only the block tokens go through `input_layernorm`, never the context."""
+
+    def __init__(self, config: DSparkConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = DSparkAttention(config, layer_idx)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        context: torch.Tensor,
+        rotary: RotaryPair,
+        context_rotary: RotaryPair,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+    ) -> torch.Tensor:
+        residual = hidden_states
+        hidden_states = self.self_attn(
+            self.input_layernorm(hidden_states), context, rotary, context_rotary, attention_mask, past_key_values
+        )
+        hidden_states = residual + hidden_states
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))

@@ -1,0 +1,29 @@
+"""Verify-length scheduling: profiled SPS tables and per-request verify-length policies (pure torch)."""
+
+from .policies import (
+    POLICY_NAMES,
+    SchedulerPolicy,
+    SPSLike,
+    async_capacity,
+    fixed_length,
+    get_policy,
+    hardware_aware_async,
+    hardware_aware_sync,
+    static_threshold,
+    top_k_prefix,
+)
+from .sps import SPSTable
+
+__all__ = [
+    "POLICY_NAMES",
+    "SPSLike",
+    "SPSTable",
+    "SchedulerPolicy",
+    "async_capacity",
+    "fixed_length",
+    "get_policy",
+    "hardware_aware_async",
+    "hardware_aware_sync",
+    "static_threshold",
+    "top_k_prefix",
+]
