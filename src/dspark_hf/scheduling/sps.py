@@ -69,7 +69,13 @@ class SPSTable:
         self.batch_tokens = bs
         self.steps_per_second = [s for _, s in pairs]
         self._x = torch.tensor(self.batch_tokens, dtype=torch.float64)
-        self._y = torch.tensor(self.steps_per_second, dtype=torch.float64)
+        y = torch.tensor(self.steps_per_second, dtype=torch.float64)
+        if self._x.numel() > 1:  # segment i covers [x_i, x_{i+1}]: y = intercept_i + slope_i * B
+            self._slope = (y[1:] - y[:-1]) / (self._x[1:] - self._x[:-1])
+            self._intercept = y[:-1] - self._slope * self._x[:-1]
+        else:
+            self._slope, self._intercept = torch.zeros(1, dtype=torch.float64), y.clone()
+        self._lo, self._hi = float(self._x[0]), float(self._x[-1])
 
     # ------------------------------------------------------------------ lookup
     @property
@@ -86,15 +92,11 @@ class SPSTable:
     __call__ = sps
 
     def _interp(self, b: torch.Tensor) -> torch.Tensor:
-        x, y = self._x.to(b.device), self._y.to(b.device)
-        if x.numel() == 1:
-            return y.expand_as(b).clone()
-        bc = b.clamp(min=float(x[0]), max=float(x[-1]))
-        hi = torch.searchsorted(x, bc.contiguous(), right=False).clamp(1, x.numel() - 1)
-        lo = hi - 1
-        x0, x1, y0, y1 = x[lo], x[hi], y[lo], y[hi]
-        w = (bc - x0) / (x1 - x0)
-        return y0 + w * (y1 - y0)
+        x = self._x if self._x.device == b.device else self._x.to(b.device)
+        bc = b.clamp(min=self._lo, max=self._hi)
+        seg = (torch.searchsorted(x, bc.contiguous()) - 1).clamp_(0, max(x.numel() - 2, 0))
+        slope, intercept = self._slope.to(b.device), self._intercept.to(b.device)
+        return intercept[seg] + slope[seg] * bc
 
     # ------------------------------------------------------------------ persistence
     def to_dict(self) -> dict[str, Any]:
