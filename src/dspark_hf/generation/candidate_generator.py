@@ -74,7 +74,9 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.logits_processor = logits_processor
         self.do_sample = bool(generation_config.do_sample)
         self.max_length = generation_config.max_length
-        eos = generation_config._eos_token_tensor
+        eos = getattr(generation_config, "_eos_token_tensor", None)  # set by generate(); plain configs lack it
+        if eos is None and generation_config.eos_token_id is not None:
+            eos = torch.tensor(generation_config.eos_token_id)
         self.eos_token_ids = eos.reshape(-1).to(target.device) if eos is not None else None
         self.stop_strings = (
             StopStringCriteria(tokenizer=tokenizer, stop_strings=generation_config.stop_strings)
@@ -100,20 +102,27 @@ class DSparkCandidateGenerator(CandidateGenerator):
         n_last_matches: int = 0,
         **kwargs,
     ) -> tuple[torch.LongTensor, torch.Tensor | None]:
-        if is_first_iteration or model_outputs is None:
+        first = is_first_iteration or model_outputs is None
+        if first and not self._ends_with_stop(input_ids):
             return input_ids, None  # the target prefills first; its hidden states arrive with the next call
         started = time.perf_counter()
         if self._handed_over_at is not None:
             self.stats.verify_seconds.append(started - self._handed_over_at)
 
         anchor_position = input_ids.shape[1] - 1
-        new_context = anchor_position - self.context_length
-        features = extract_target_features(model_outputs.hidden_states, self.drafter.config, self.num_target_layers)
-        features = features[:, :new_context].to(self.drafter.device)
         device = self.drafter.device
-        context_positions = torch.arange(self.context_length, anchor_position, device=device)[None]
+        if first:
+            # The prompt ends in eos: transformers' loop treats an empty candidate there as finished and emits
+            # nothing, so draft from no target features (verification keeps the output exact).
+            features = torch.zeros(1, 0, self.drafter.fc.in_features, device=device, dtype=self.drafter.dtype)
+            context_positions = torch.arange(0, device=device)[None]
+        else:
+            new_context = anchor_position - self.context_length
+            features = extract_target_features(model_outputs.hidden_states, self.drafter.config, self.num_target_layers)
+            features = features[:, :new_context].to(device)
+            context_positions = torch.arange(self.context_length, anchor_position, device=device)[None]
+            self.context_length = anchor_position
         block_positions = torch.arange(anchor_position, anchor_position + self.drafter.config.block_size, device=device)
-        self.context_length = anchor_position
 
         budget = self.max_length - input_ids.shape[1] - 1
         proposal = self.drafter.draft(
@@ -126,7 +135,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
             select=self._selector(input_ids),
         )
         tokens = proposal.tokens.to(input_ids.device)
-        num_tokens = self._stop_length(input_ids, tokens) if budget > 0 else 0
+        num_tokens = self._stop_length(input_ids, tokens) if budget > 0 or first else 0
 
         self.stats.draft_seconds.append(time.perf_counter() - started)
         self._handed_over_at = time.perf_counter()
@@ -162,6 +171,12 @@ class DSparkCandidateGenerator(CandidateGenerator):
             return token, processed
 
         return select
+
+    def _ends_with_stop(self, input_ids: torch.LongTensor) -> bool:
+        """Whether the sequence already ends with an eos token or a stop string."""
+        if self.eos_token_ids is not None and bool(torch.isin(input_ids[0, -1], self.eos_token_ids)):
+            return True
+        return self.stop_strings is not None and bool(self.stop_strings(input_ids, None).any())
 
     def _stop_length(self, input_ids: torch.LongTensor, tokens: torch.LongTensor) -> int:
         """Drafts to keep: up to and including the first eos or stop-string completion (plain decoding stops there)."""

@@ -58,7 +58,7 @@ class DSparkAttention(nn.Module):
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
     def _keys_values(self, states: torch.Tensor, rotary: RotaryPair) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = (*states.shape[:-1], -1, self.head_dim)
+        shape = (*states.shape[:-1], self.config.num_key_value_heads, self.head_dim)
         keys = self.k_norm(self.k_proj(states).view(shape)).transpose(1, 2)
         values = self.v_proj(states).view(shape).transpose(1, 2)
         return _rotate(keys, rotary), values
@@ -77,7 +77,8 @@ class DSparkAttention(nn.Module):
         With a cache, the new context K/V are appended to it and the block attends to everything cached.
         """
         input_shape = hidden_states.shape[:-1]
-        query = self.q_norm(self.q_proj(hidden_states).view(*input_shape, -1, self.head_dim)).transpose(1, 2)
+        query = self.q_proj(hidden_states).view(*input_shape, self.config.num_attention_heads, self.head_dim)
+        query = self.q_norm(query).transpose(1, 2)
         query = _rotate(query, rotary)
         context_keys, context_values = self._keys_values(context, context_rotary)
         if past_key_values is not None:

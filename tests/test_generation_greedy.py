@@ -1,0 +1,124 @@
+"""Lossless greedy decoding: `generate(assistant_model=drafter)` equals plain `generate()` token for token (float32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import install_bigram_oracle, make_bigram_like, tiny_drafter, tiny_target
+from transformers.generation.streamers import BaseStreamer
+
+import dspark_hf  # noqa: F401  (installs the generate() hook)
+
+NUM_PROMPTS = 50
+MAX_NEW = 12
+HEADS = [(0, None), (8, "vanilla"), (8, "gated"), (8, "rnn")]  # rank 0 = plain DFlash
+
+
+def prompts(vocab: int, count: int = NUM_PROMPTS, seed: int = 123) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 12, (count,), generator=generator)
+    return [torch.randint(4, vocab, (1, int(n)), generator=generator) for n in lengths]
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama", "gemma"])
+def target_and_references(request):
+    target = tiny_target(request.param)
+    inputs = prompts(target.config.vocab_size)
+    with torch.no_grad():
+        references = [target.generate(ids, max_new_tokens=MAX_NEW, do_sample=False) for ids in inputs]
+    return target, inputs, references
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 7])
+@pytest.mark.parametrize("markov_rank,head_type", HEADS, ids=["dflash", "vanilla", "gated", "rnn"])
+def test_greedy_equals_plain_generate(target_and_references, block_size, markov_rank, head_type):
+    target, inputs, references = target_and_references
+    drafter = tiny_drafter(target, block_size=block_size, markov_rank=markov_rank, head_type=head_type or "vanilla",
+                           confidence=markov_rank > 0)
+    rounds = 0
+    for ids, reference in zip(inputs, references):
+        out = target.generate(ids, max_new_tokens=MAX_NEW, do_sample=False, assistant_model=drafter)
+        assert torch.equal(out, reference), f"prompt {ids.tolist()}"
+        rounds += drafter.generation_stats.rounds
+        assert max(drafter.generation_stats.drafted, default=0) <= block_size
+    assert rounds > 0
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_good_drafter_exercises_acceptance_and_stays_lossless(family):
+    """A bigram-oracle drafter on a nearly-bigram target: long accepts, bonus tokens and eos inside drafts."""
+    target = make_bigram_like(tiny_target(family, vocab_size=48, eos_token_id=2))
+    drafter = install_bigram_oracle(tiny_drafter(target, block_size=7, markov_rank=48), target)
+    committed, drafted, full_accepts = [], [], 0
+    for ids in prompts(48, count=30):
+        reference = target.generate(ids, max_new_tokens=40, do_sample=False)
+        out = target.generate(ids, max_new_tokens=40, do_sample=False, assistant_model=drafter)
+        assert torch.equal(out, reference)
+        stats = drafter.generation_stats
+        committed += stats.committed
+        drafted += stats.drafted
+        full_accepts += sum(c == d + 1 for c, d in zip(stats.committed, stats.drafted))
+    tau = sum(committed) / len(committed)
+    assert tau > 2.0, tau  # the oracle is good: rounds accept several drafts (a random drafter gives ~1.0)
+    assert full_accepts > 0 and any(c == 1 for c in committed)  # both full accepts and first-slot rejections
+
+
+def test_greedy_with_logits_processors_and_stop_conditions():
+    """Repetition penalty, no-repeat n-grams, min_new_tokens and an eos all behave as in plain decoding."""
+    target = make_bigram_like(tiny_target("qwen3", vocab_size=48, eos_token_id=[2, 5]))
+    drafter = install_bigram_oracle(tiny_drafter(target, block_size=5, markov_rank=48), target)
+    settings = [
+        dict(repetition_penalty=1.3),
+        dict(no_repeat_ngram_size=2),
+        dict(min_new_tokens=6, repetition_penalty=0.8),
+        dict(max_new_tokens=3),
+    ]
+    for kwargs in settings:
+        kwargs = {"max_new_tokens": 30, **kwargs}
+        for ids in prompts(48, count=15, seed=7):
+            reference = target.generate(ids, do_sample=False, **kwargs)
+            out = target.generate(ids, do_sample=False, assistant_model=drafter, **kwargs)
+            assert torch.equal(out, reference), (kwargs, ids.tolist())
+
+
+class _Collect(BaseStreamer):
+    def __init__(self):
+        self.chunks = []
+        self.ended = False
+
+    def put(self, value):
+        self.chunks.append(value.reshape(-1))
+
+    def end(self):
+        self.ended = True
+
+
+def test_streamer_receives_exactly_the_output():
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, block_size=4)
+    ids = prompts(96, count=1)[0]
+    streamer = _Collect()
+    out = target.generate(ids, max_new_tokens=20, do_sample=False, assistant_model=drafter, streamer=streamer)
+    assert streamer.ended
+    assert torch.equal(torch.cat(streamer.chunks), out[0])  # the prompt first, then every accepted chunk
+
+
+def test_first_draft_reads_the_whole_prompt():
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target, block_size=4)
+    seen = []
+    original = drafter.draft
+
+    def spy(anchor_ids, target_hidden_states, past_key_values, **kwargs):
+        seen.append((target_hidden_states.shape[1], past_key_values.get_seq_length(), kwargs["position_ids"][0, 0].item()))
+        return original(anchor_ids, target_hidden_states, past_key_values, **kwargs)
+
+    drafter.draft = spy
+    ids = prompts(96, count=1, seed=5)[0]
+    out = target.generate(ids, max_new_tokens=10, do_sample=False, assistant_model=drafter)
+    prompt_len = ids.shape[1]
+    assert seen[0] == (prompt_len, 0, prompt_len)  # all prompt features, anchor at the first new position
+    # Afterwards the cache always ends right before the anchor: features of every committed token, nothing else.
+    for new_context, cached, anchor_position in seen[1:]:
+        assert cached + new_context == anchor_position
+    assert seen[-1][2] < out.shape[1]
