@@ -87,6 +87,8 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         self.confidence_head = ConfidenceHead(config) if config.enable_confidence_head else None
         # Weights absent from the loaded checkpoint, to be taken from the target (see `share_target_weights`).
         self.weights_from_target: set[str] = set()
+        # Weights that are the target's own Parameters (after `share_target_weights`).
+        self.shared_with_target: set[str] = set()
         self.post_init()
 
     # ------------------------------------------------------------------ loading
@@ -159,7 +161,30 @@ class DSparkDraftModel(DSparkPreTrainedModel):
                 ours.weight = theirs_weight
                 shared.append(name)
         self.weights_from_target.difference_update(shared)
+        self.shared_with_target.update(shared)
         return shared
+
+    def save_pretrained(self, save_directory, *args, include_target_weights: bool | None = None, **kwargs) -> None:
+        """`PreTrainedModel.save_pretrained`, safetensors only.
+
+        `include_target_weights`: whether to store `embed_tokens` / `lm_head`. Default: store them unless they are
+        shared with a target (then the checkpoint stays small and loads its copies from the target at generation).
+        DeepSpec's published checkpoints include them; pass True to write that layout.
+        """
+        if kwargs.get("safe_serialization") is False:
+            raise ValueError("dspark_hf saves safetensors only.")
+        state_dict = kwargs.pop("state_dict", None) or self.state_dict()
+        dropped = set() if include_target_weights else set(self.shared_with_target) | self.weights_from_target
+        if include_target_weights is False:
+            dropped = set(SHAREABLE_WEIGHTS.values())
+        if include_target_weights and self.weights_from_target:
+            raise ValueError(f"{sorted(self.weights_from_target)} are not loaded; share them from a target first.")
+        state_dict = {
+            key: tensor.detach().clone() if key in SHAREABLE_WEIGHTS else tensor  # never alias the target's storage
+            for key, tensor in state_dict.items()
+            if SHAREABLE_WEIGHTS.get(key) not in dropped
+        }
+        super().save_pretrained(save_directory, *args, state_dict=state_dict, **kwargs)
 
     def generate(self, *args, **kwargs):
         """Not a standalone LM: reached only when transformers routes the drafter to its default assistant path."""
