@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
@@ -103,11 +104,12 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             raise ValueError("dspark_hf loads safetensors checkpoints only (no pickle).")
         kwargs["use_safetensors"] = True
         want_info = kwargs.pop("output_loading_info", False)
+        kwargs.setdefault("ignore_mismatched_sizes", True)  # collect shape mismatches and report them all below
         try:
             model, info = super().from_pretrained(
                 pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
             )
-        except (OSError, RuntimeError, EnvironmentError) as error:
+        except (OSError, RuntimeError, SafetensorError) as error:
             raise ValueError(
                 f"Could not load a DSpark drafter from {pretrained_model_name_or_path!r}: {error}\n"
                 "dspark_hf needs config.json plus model.safetensors (or a sharded safetensors index). If the files "
