@@ -1,0 +1,77 @@
+"""Counter-based random numbers shared by both verify backends (torch side).
+
+Every random number used by :func:`dspark_hf.verify.verify` is a pure function of
+``(seed, offset, stream, counter)``; the Triton kernel computes the same function
+(``triton_kernel._uniform``), so both backends see the same numbers without any
+tensor of noise being materialised or transferred.
+
+Scheme (all arithmetic modulo 2**32):
+
+* ``mix32`` is the "lowbias32" integer finaliser
+  (x ^= x>>16; x *= 0x7FEB352D; x ^= x>>15; x *= 0x846CA68B; x ^= x>>16).
+* request key: ``k = mix32(mix32(mix32(seed_lo + 0x9E3779B9) ^ seed_hi) ^ offset_lo)``,
+  stream key: ``ks = mix32(k + stream * 0x9E3779B9)``.
+* value: ``h = mix32(mix32(counter ^ ks) + ks)``; ``u = ((h >> 8) + 0.5) * 2**-24`` in (0, 1).
+
+Streams: ``STREAM_ACCEPT`` (counter = draft position j inside the request) gives the
+acceptance uniforms; ``STREAM_RESIDUAL`` (counter = vocab id v) gives the exponentials
+``E_v = -log(u)`` of the exponential race that samples the residual / bonus token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MASK32 = 0xFFFFFFFF
+GOLDEN = 0x9E3779B9
+MIX_C1 = 0x7FEB352D
+MIX_C2 = 0x846CA68B
+STREAM_ACCEPT = 1
+STREAM_RESIDUAL = 2
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``x * c mod 2**32`` for int64 ``x`` in [0, 2**32) without int64 overflow."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + ((x * hi) & 0xFFFF) * 65536) & MASK32
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 finaliser on int64 tensors holding uint32 values."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, MIX_C1)
+    x = x ^ (x >> 15)
+    x = _mul32(x, MIX_C2)
+    return x ^ (x >> 16)
+
+
+def stream_key(seeds: torch.Tensor, offsets: torch.Tensor, stream: int) -> torch.Tensor:
+    """Per-request key (int64 holding a uint32) for one stream."""
+    seeds = seeds.to(torch.int64)
+    lo = seeds & MASK32
+    hi = (seeds >> 32) & MASK32
+    off = offsets.to(torch.int64) & MASK32
+    k = mix32((lo + GOLDEN) & MASK32)
+    k = mix32(k ^ hi)
+    k = mix32(k ^ off)
+    return mix32((k + ((stream * GOLDEN) & MASK32)) & MASK32)
+
+
+def uniform(key: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+    """float32 uniforms in (0, 1) for broadcastable int64 ``key`` and ``counter``."""
+    h = mix32((counter.to(torch.int64) & MASK32) ^ key)
+    h = mix32((h + key) & MASK32)
+    return ((h >> 8).to(torch.float32) + 0.5) * (2.0**-24)
+
+
+def acceptance_uniforms(seeds, offsets, request_of_draft, position_of_draft) -> torch.Tensor:
+    """The uniform used to accept/reject each flat draft token."""
+    key = stream_key(seeds, offsets, STREAM_ACCEPT)[request_of_draft]
+    return uniform(key, position_of_draft)
+
+
+def residual_exponentials(seeds, offsets, vocab_size: int) -> torch.Tensor:
+    """``[R, V]`` Exp(1) noise of the exponential race (materialised: reference only)."""
+    key = stream_key(seeds, offsets, STREAM_RESIDUAL)[:, None]
+    v = torch.arange(vocab_size, device=seeds.device)[None, :]
+    return -torch.log(uniform(key, v))
