@@ -11,11 +11,14 @@ from ..models import DSparkConfig
 def hidden_states_request(config: DSparkConfig) -> list[int] | bool:
     """The `output_hidden_states` value for the target's forward.
 
-    A list of decoder-layer ids captures only those layers (transformers >= 5: `hidden_states[i]` is the output of
-    layer i). The embedding output (id -1) is only in the full tuple, so then ask for everything.
+    A list captures only some layers, but its meaning changed within transformers 5.x: up to ~5.2x, entry i of the
+    returned `num_layers`-tuple is the output of decoder layer i; later releases return the full `num_layers + 1`
+    layout (embedding output first) with only the requested entries filled. Asking for both i and i + 1 covers
+    either; `extract_target_features` tells them apart by the tuple's length. The embedding output (id -1) is only
+    in the full tuple, so then ask for everything.
     """
     ids = list(config.target_layer_ids)
-    return True if -1 in ids else sorted(set(ids))
+    return True if -1 in ids else sorted({i for layer in ids for i in (layer, layer + 1)})
 
 
 def extract_target_features(

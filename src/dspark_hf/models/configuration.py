@@ -16,6 +16,14 @@ KNOWN_ARCHITECTURES = NATIVE_ARCHITECTURES + DEEPSPEC_ARCHITECTURES
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 
 
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """DFlash's rule: evenly spaced decoder layers from 1 to N-3 (one draft layer: the middle layer)."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
 @strict
 class DSparkConfig(Qwen3Config):
     r"""Configuration of a DSpark (or, with `markov_rank=0` and no confidence head, DFlash) drafter.
@@ -72,6 +80,38 @@ class DSparkConfig(Qwen3Config):
         if self.layer_types is None:
             self.layer_types = ["full_attention"] * self.num_hidden_layers
         super().__post_init__(**kwargs)
+
+    @classmethod
+    def from_target_config(
+        cls,
+        target_config,
+        mask_token_id: int,
+        num_hidden_layers: int = 5,
+        target_layer_ids: list[int] | None = None,
+        **overrides,
+    ) -> DSparkConfig:
+        """A drafter config for a target, as DeepSpec's `build_draft_config`: the target's text backbone sizes plus
+        DSpark fields. Default layers: `num_hidden_layers` taps evenly spaced from 1 to N-3 (DFlash's rule)."""
+        text = target_config.get_text_config()
+        num_target_layers = text.num_hidden_layers
+        if target_layer_ids is None:
+            target_layer_ids = default_target_layer_ids(num_target_layers, num_hidden_layers)
+        backbone = {
+            key: getattr(text, key)
+            for key in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
+                        "num_key_value_heads", "rms_norm_eps", "max_position_embeddings", "hidden_act")
+            if getattr(text, key, None) is not None
+        }
+        backbone["head_dim"] = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        backbone["rope_parameters"] = dict(getattr(text, "rope_parameters", None) or {"rope_type": "default",
+                                                                                       "rope_theta": 10000.0})
+        return cls(
+            **{**backbone, **overrides},
+            num_hidden_layers=num_hidden_layers,
+            target_layer_ids=list(target_layer_ids),
+            num_target_layers=num_target_layers,
+            mask_token_id=mask_token_id,
+        )
 
     @property
     def is_dflash(self) -> bool:

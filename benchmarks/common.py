@@ -1,0 +1,80 @@
+"""Helpers shared by the benchmark scripts: environment record, fixtures, prompts."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import transformers
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+RESULTS = REPO / "benchmarks" / "results"
+
+
+def environment() -> dict:
+    """Machine and versions, recorded with every result."""
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "platform": platform.platform(),
+        "cpu_count": __import__("os").cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    try:
+        info["git_commit"] = subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=REPO, text=True).strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return info
+
+
+def materialize_fixture(name: str, dtype: str = "float32") -> Path:
+    """The ../shared fixture as a standard HF folder (in a temp dir)."""
+    out = Path(tempfile.mkdtemp(prefix=f"{name}-"))
+    subprocess.run([sys.executable, str(SHARED / "fixtures" / "materialize.py"), name, str(out), "--dtype", dtype],
+                   check=True, stdout=subprocess.DEVNULL)
+    return out
+
+
+def humaneval_prompts(count: int) -> list[str]:
+    with gzip.open(SHARED / "data" / "humaneval" / "HumanEval.jsonl.gz", "rt") as handle:
+        return [json.loads(line)["prompt"] for line, _ in zip(handle, range(count))]
+
+
+STDLIB_MODULES = ("json.decoder", "textwrap", "argparse", "csv", "fractions", "heapq", "bisect", "shlex",
+                  "calendar", "difflib", "statistics", "string", "colorsys", "fnmatch", "glob", "ipaddress")
+
+
+def stdlib_code_prompts(count: int, lines: int = 30) -> list[str]:
+    """Held-out code prompts: `lines` lines of CPython stdlib modules (the code fixtures were not trained on the
+    stdlib), cut right after a `def` line (no newline) so the model continues a function body."""
+    import importlib
+    import inspect
+
+    prompts = []
+    for name in STDLIB_MODULES:
+        source = inspect.getsource(importlib.import_module(name)).splitlines()
+        defs = [i for i, line in enumerate(source) if line.lstrip().startswith("def ") and i >= lines]
+        if defs:
+            end = defs[len(defs) // 2] + 1
+            prompts.append("\n".join(source[end - lines:end]))  # no trailing newline: BPE merges it with the indent
+        if len(prompts) == count:
+            break
+    return prompts
+
+
+def write_json(name: str, payload: dict) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / name
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    return path

@@ -1,0 +1,116 @@
+"""`dspark-hf` command line: thin wrappers over the library."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _load_pair(target_id: str, drafter_id: str, dtype: str, device: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from . import DSparkDraftModel
+
+    tokenizer = AutoTokenizer.from_pretrained(target_id)
+    target = AutoModelForCausalLM.from_pretrained(target_id, dtype=DTYPES[dtype]).to(device).eval()
+    drafter = DSparkDraftModel.from_pretrained(drafter_id, dtype=DTYPES[dtype]).to(device).eval()
+    return tokenizer, target, drafter
+
+
+def _encode(tokenizer, prompt: str, chat: bool) -> torch.LongTensor:
+    if chat:
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt",
+            return_dict=True, enable_thinking=False,
+        )["input_ids"]
+    return tokenizer(prompt, return_tensors="pt")["input_ids"]
+
+
+def _print_comparison(tokenizer, comparison) -> None:
+    from .evaluation import Comparison
+
+    assert isinstance(comparison, Comparison)
+    text = tokenizer.decode(comparison.dspark_ids[0, comparison.prompt_length:], skip_special_tokens=True)
+    stats = comparison.stats
+    print(text)
+    print("-" * 60)
+    print(f"plain  : {comparison.plain_tokens_per_second:8.1f} tokens/s")
+    print(f"DSpark : {comparison.dspark_tokens_per_second:8.1f} tokens/s  (x{comparison.speedup:.2f})")
+    print(f"tau (accepted length per round, bonus included): {stats.tau:.2f} over {stats.rounds} rounds")
+    rates = ", ".join(f"{r:.2f}" for r in stats.acceptance_by_position())
+    print(f"accept_rate@k: [{rates}]")
+    print(f"identical to plain decoding: {comparison.identical}")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .evaluation import compare_generation
+
+    tokenizer, target, drafter = _load_pair(args.target, args.drafter, args.dtype, args.device)
+    input_ids = _encode(tokenizer, args.prompt, args.chat).to(args.device)
+    sampling = dict(do_sample=args.temperature > 0, max_new_tokens=args.max_new_tokens)
+    if args.temperature > 0:
+        sampling.update(temperature=args.temperature, top_p=args.top_p)
+    torch.manual_seed(args.seed)
+    compare_generation(target, drafter, input_ids, **{**sampling, "max_new_tokens": 4})  # warm-up
+    torch.manual_seed(args.seed)
+    _print_comparison(tokenizer, compare_generation(target, drafter, input_ids, **sampling))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dspark-hf", description="DSpark speculative decoding for transformers.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    generate = commands.add_parser("generate", help="decode one prompt with DSpark and with plain decoding")
+    generate.add_argument("--target", required=True, help="target model: Hub id or local folder")
+    generate.add_argument("--drafter", required=True, help="DSpark drafter: Hub id or local folder")
+    generate.add_argument("--prompt", required=True)
+    generate.add_argument("--chat", action="store_true", help="wrap the prompt in the target's chat template")
+    generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--max-new-tokens", type=int, default=128)
+    generate.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    generate.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    generate.add_argument("--seed", type=int, default=0)
+    generate.set_defaults(func=cmd_generate)
+
+    demo = commands.add_parser("demo", help="offline side-by-side of plain decoding and DSpark")
+    demo.add_argument("--target", help="target model (Hub id or folder); default: a built-in tiny pair")
+    demo.add_argument("--drafter", help="DSpark drafter (Hub id or folder)")
+    demo.add_argument("--prompt", default="def quicksort(items):")
+    demo.add_argument("--chat", action="store_true")
+    demo.add_argument("--temperature", type=float, default=0.0)
+    demo.add_argument("--top-p", type=float, default=1.0)
+    demo.add_argument("--max-new-tokens", type=int, default=48)
+    demo.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    demo.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.set_defaults(func=cmd_demo)
+
+    try:
+        from .training.commands import add_data_parser, add_train_parser
+    except ImportError:
+        pass
+    else:
+        add_train_parser(commands)
+        add_data_parser(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
