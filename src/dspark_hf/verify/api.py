@@ -47,7 +47,6 @@ class _Prepared:
     draft_ids: torch.Tensor  # [T] int64
     num_drafts: torch.Tensor  # [R] int64
     cu_drafts: torch.Tensor  # [R] int64, exclusive prefix sum of num_drafts
-    row_request: torch.Tensor  # [T + R] int64, request of each target row
     target_logits: torch.Tensor  # [T + R, V] (any float dtype, unit stride on V)
     draft_probs: torch.Tensor | None  # [T, V] or None (one-hot drafts)
     do_sample: torch.Tensor  # [R] bool
@@ -73,14 +72,23 @@ def triton_available(device: torch.device | None = None) -> bool:
     return device is not None and torch.device(device).type == "cuda"
 
 
+_CONSTS: dict = {}
+
+
 def _per_request(x, R: int, dtype: torch.dtype, device: torch.device, name: str) -> torch.Tensor:
+    """``[R]`` view of a per-request parameter. Python scalars become a cached one-element
+    device tensor expanded with stride 0 (no kernel launch after the first call)."""
     if isinstance(x, torch.Tensor):
         if x.dim() == 0:
             x = x.reshape(1).expand(R)
         if x.shape != (R,):
             raise ValueError(f"`{name}` must be a scalar or have shape ({R},), got {tuple(x.shape)}")
         return x.to(device=device, dtype=dtype)
-    return torch.full((R,), x, dtype=dtype, device=device)
+    key = (x, dtype, str(device))
+    c = _CONSTS.get(key)
+    if c is None:
+        c = _CONSTS[key] = torch.full((1,), x, dtype=dtype, device=device)
+    return c.expand(R)
 
 
 def verify(
@@ -93,7 +101,7 @@ def verify(
     temperature: float | torch.Tensor = 1.0,
     top_k: int | torch.Tensor | None = None,
     top_p: float | torch.Tensor | None = None,
-    seeds: torch.Tensor | None = None,
+    seeds: int | torch.Tensor | None = None,
     offsets: int | torch.Tensor = 0,
     generator: torch.Generator | None = None,
     uniforms: torch.Tensor | None = None,
@@ -119,7 +127,8 @@ def verify(
             in transformers' order (temperature, then top-k, then top-p, min_tokens_to_keep=1).
             ``top_k <= 0`` or ``>= V`` and ``top_p >= 1`` disable a filter; ``None`` skips it.
         seeds, offsets: ``int64[R]`` keys of the counter-based RNG (see ``rng.py``); use a new
-            offset (or seed) each round. Default seeds are drawn from ``generator`` on device.
+            offset (or seed) each round. An int seed means ``seed + request index``. Default
+            seeds are drawn from ``generator`` on device (no host synchronisation).
         uniforms, exponentials: explicit noise (tests): ``float32[T]`` acceptance uniforms in
             [0, 1) and ``float32[R, V]`` Exp(1) noise for the residual/bonus race.
         max_draft_len: width - 1 of ``output_tokens``; default max(l_r) (a host sync if
@@ -161,11 +170,12 @@ def verify(
         max_draft_len = int(num_drafts.max()) if R > 0 else 0
     num_drafts = num_drafts.to(device=device, dtype=torch.int64)
     cu = torch.cumsum(num_drafts, 0) - num_drafts
-    row_request = torch.repeat_interleave(torch.arange(R, device=device), num_drafts + 1, output_size=N)
 
     if seeds is None:
         gdev = generator.device if generator is not None else device
         seeds = torch.randint(-(2**63), 2**63 - 1, (R,), generator=generator, device=gdev, dtype=torch.int64)
+    elif not isinstance(seeds, torch.Tensor):  # one base seed: distinct streams per request
+        seeds = torch.arange(R, device=device, dtype=torch.int64) + int(seeds)
     if target_logits.stride(1) != 1:
         target_logits = target_logits.contiguous()
     if draft_probs is not None and draft_probs.stride(1) != 1:
@@ -174,7 +184,6 @@ def verify(
         draft_ids=draft_ids.to(device=device, dtype=torch.int64),
         num_drafts=num_drafts,
         cu_drafts=cu,
-        row_request=row_request,
         target_logits=target_logits,
         draft_probs=draft_probs,
         do_sample=_per_request(do_sample, R, torch.bool, device, "do_sample"),

@@ -51,7 +51,7 @@ def processed_scores(
     top_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """float32 processed logits (temperature, top-k, top-p; filtered = -inf), one row per entry."""
-    s = logits.float() / temperature.float()[:, None]
+    s = logits.float() * (1.0 / temperature.float())[:, None]
     if top_k is None and top_p is None:
         return s
     active = torch.ones(s.shape[0], dtype=torch.bool, device=s.device)
@@ -65,10 +65,10 @@ def verify_torch(p) -> tuple[torch.Tensor, torch.Tensor]:
     N, V = logits.shape
     R, T, L = p.num_drafts.shape[0], p.draft_ids.shape[0], p.max_draft_len
     dev = logits.device
-    req = p.row_request
+    req = torch.repeat_interleave(torch.arange(R, device=dev), p.num_drafts + 1, output_size=N)
     ds_row = p.do_sample[req]
     temp_row = torch.where(ds_row, p.temperature[req], torch.ones_like(p.temperature[req]))
-    s = logits.float() / temp_row[:, None]
+    s = logits.float() * (1.0 / temp_row)[:, None]  # reciprocal, as the kernel (<= 1 ulp from HF's z / T)
     if p.top_k is not None or p.top_p is not None:
         thr = filter_thresholds(
             s,
@@ -103,7 +103,7 @@ def verify_torch(p) -> tuple[torch.Tensor, torch.Tensor]:
     tok = amax[e]
     if p.any_sample:
         s_e = s[e]
-        p_e = torch.exp(s_e - m[e][:, None]) / z[e][:, None]
+        p_e = torch.exp(s_e - m[e][:, None]) * (1.0 / z[e])[:, None]
         has_q = n < p.num_drafts
         qrow = (p.cu_drafts + n).clamp(max=max(T - 1, 0))
         if T == 0:
@@ -117,8 +117,9 @@ def verify_torch(p) -> tuple[torch.Tensor, torch.Tensor]:
             E = p.exponentials
         else:
             E = rng.residual_exponentials(p.seeds, p.offsets, V)
-        kr = (p_e - q_e).clamp_min(0.0) / E
-        kp = p_e / E
+        inv_e = 1.0 / E
+        kr = (p_e - q_e).clamp_min(0.0) * inv_e
+        kp = p_e * inv_e
         best_r, tok_r = kr.max(dim=-1)
         tok_s = torch.where(best_r > 0, tok_r, kp.argmax(dim=-1))
         tok = torch.where(p.do_sample, tok_s, tok)

@@ -15,7 +15,7 @@ Scheme (all arithmetic modulo 2**32):
 
 Streams: ``STREAM_ACCEPT`` (counter = draft position j inside the request) gives the
 acceptance uniforms; ``STREAM_RESIDUAL`` (counter = vocab id v) gives the exponentials
-``E_v = -log(u)`` of the exponential race that samples the residual / bonus token.
+``E_v = -log(u)`` (see ``exponential_from_uniform``) of the exponential race that samples the residual / bonus token.
 """
 
 from __future__ import annotations
@@ -64,6 +64,21 @@ def uniform(key: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
     return ((h >> 8).to(torch.float32) + 0.5) * (2.0**-24)
 
 
+def exponential_from_uniform(u: torch.Tensor) -> torch.Tensor:
+    """Exp(1) noise ``-log(u)``, accurate to float32 rounding also for u close to 1.
+
+    For u >= 1/2, ``-log(u) = -2 atanh(w)``, ``w = (u - 1) / (u + 1)`` (|w| <= 1/3, ``u - 1`` exact),
+    summed as an odd series to w**15; below 1/2 plain ``-log(u)``. The smallest exponentials win
+    the race, so a fast log with an absolute (not relative) error there would bias the sample.
+    """
+    w = (u - 1.0) / (u + 1.0)
+    w2 = w * w
+    s = w2 * (1.0 / 15.0) + (1.0 / 13.0)
+    for c in (1.0 / 11.0, 1.0 / 9.0, 1.0 / 7.0, 1.0 / 5.0, 1.0 / 3.0, 1.0):
+        s = s * w2 + c
+    return torch.where(u >= 0.5, -2.0 * (w * s), -torch.log(u))
+
+
 def acceptance_uniforms(seeds, offsets, request_of_draft, position_of_draft) -> torch.Tensor:
     """The uniform used to accept/reject each flat draft token."""
     key = stream_key(seeds, offsets, STREAM_ACCEPT)[request_of_draft]
@@ -74,4 +89,4 @@ def residual_exponentials(seeds, offsets, vocab_size: int) -> torch.Tensor:
     """``[R, V]`` Exp(1) noise of the exponential race (materialised: reference only)."""
     key = stream_key(seeds, offsets, STREAM_RESIDUAL)[:, None]
     v = torch.arange(vocab_size, device=seeds.device)[None, :]
-    return -torch.log(uniform(key, v))
+    return exponential_from_uniform(uniform(key, v))
