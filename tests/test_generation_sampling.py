@@ -4,7 +4,7 @@ Each test draws N sequences with `generate(do_sample=True, assistant_model=draft
 chi-square goodness-of-fit test against the distribution enumerated exactly from the target over a 6-token vocab
 (216 three-token sequences; cells with expected count < 5 pooled). Significance ALPHA = 1e-3: with a correct
 sampler a given seed fails with probability 0.1 %. The negative control shows the same test, at the same N,
-rejects a target whose temperature is off by 15 %.
+rejects a target whose temperature is off by 15 %. The same test runs with each verify-length policy.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from tiny_models import install_bigram_oracle, make_bigram_like, tiny_drafter, t
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
 import dspark_hf  # noqa: F401
+from dspark_hf.scheduling import SPSTable
 
 VOCAB, NEW_TOKENS, ALPHA = 6, 3, 1e-3
 PROMPT = torch.tensor([[4, 1, 5]])
@@ -61,14 +62,15 @@ def chi_square_p_value(counts: dict, expected_probs: dict, total: int) -> float:
 
 def sample_counts(target, drafter, num_samples: int, seed: int, **sampling) -> tuple[dict, float]:
     torch.manual_seed(seed)
-    counts, committed = {}, []
+    counts, committed, verified = {}, [], []
     for _ in range(num_samples):
         out = target.generate(PROMPT, do_sample=True, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
                               assistant_model=drafter, top_k=0, **sampling)
         cell = tuple(out[0, PROMPT.shape[1]:].tolist())
         counts[cell] = counts.get(cell, 0) + 1
         committed += drafter.generation_stats.committed
-    return counts, sum(committed) / max(1, len(committed))
+        verified += drafter.generation_stats.drafted
+    return counts, sum(committed) / max(1, len(committed)), verified
 
 
 @pytest.fixture(scope="module")
@@ -86,28 +88,45 @@ def oracle_drafter(target, scale: float, forbidden: tuple[int, ...] = ()):
     return drafter
 
 
+SPS = SPSTable([1, 2, 3, 4], [1.0, 0.8, 0.62, 0.5])  # a made-up throughput curve: verifying more costs more
+POLICIES = {
+    "fixed": {},
+    "static_threshold": dict(dspark_policy="static_threshold", dspark_threshold=0.5),
+    "hardware_aware": dict(dspark_policy="hardware_aware", dspark_sps_table=SPS),
+    "hardware_aware_async": dict(dspark_policy="hardware_aware_async", dspark_sps_table=SPS),
+}
+
+
 @pytest.mark.parametrize(
-    "sampling,processors",
+    "sampling,processors,policy",
     [
-        (dict(temperature=1.0), LogitsProcessorList()),
-        (dict(temperature=0.7, top_p=0.8), LogitsProcessorList([TemperatureLogitsWarper(0.7), TopPLogitsWarper(0.8)])),
+        (dict(temperature=1.0), LogitsProcessorList(), "fixed"),
+        (dict(temperature=0.7, top_p=0.8), LogitsProcessorList([TemperatureLogitsWarper(0.7), TopPLogitsWarper(0.8)]),
+         "fixed"),
+        (dict(temperature=1.0), LogitsProcessorList(), "static_threshold"),
+        (dict(temperature=1.0), LogitsProcessorList(), "hardware_aware"),
+        (dict(temperature=1.0), LogitsProcessorList(), "hardware_aware_async"),
     ],
-    ids=["t1.0", "t0.7-top_p0.8"],
+    ids=["t1.0", "t0.7-top_p0.8", "t1.0-threshold", "t1.0-hardware_aware", "t1.0-hardware_aware_async"],
 )
-def test_sampling_matches_target_distribution(target, sampling, processors):
+def test_sampling_matches_target_distribution(target, sampling, processors, policy):
     drafter = oracle_drafter(target, scale=3.0)
+    with torch.no_grad():  # make confidences depend clearly on the previous token, so policies cut variably
+        drafter.confidence_head.proj.weight.mul_(40.0)
     num_samples = 2500
-    counts, tau = sample_counts(target, drafter, num_samples, seed=2024, **sampling)
+    counts, tau, verified = sample_counts(target, drafter, num_samples, seed=2024, **sampling, **POLICIES[policy])
     p_value = chi_square_p_value(counts, exact_distribution(target, processors), num_samples)
     assert p_value > ALPHA, p_value
     assert 1.1 < tau < 1.9  # drafts are sometimes accepted, sometimes not: accept, residual and bonus paths all ran
+    if policy != "fixed":
+        assert len(set(verified)) > 1  # the policy really varied the verify length
 
 
 def test_sampling_with_zeros_in_draft_distribution(target):
     """Tokens 0 and 1 have q = 0 exactly: they can only come from the residual or the bonus."""
     drafter = oracle_drafter(target, scale=2.0, forbidden=(0, 1))
     num_samples = 2500
-    counts, _ = sample_counts(target, drafter, num_samples, seed=7, temperature=1.0)
+    counts, _, _ = sample_counts(target, drafter, num_samples, seed=7, temperature=1.0)
     p_value = chi_square_p_value(counts, exact_distribution(target, LogitsProcessorList()), num_samples)
     assert p_value > ALPHA, p_value
     assert any(0 in cell or 1 in cell for cell in counts)

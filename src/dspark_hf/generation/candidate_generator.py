@@ -16,6 +16,7 @@ from transformers.generation import CandidateGenerator, LogitsProcessorList
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from ..models import DSparkDraftModel
+from .policy import VerifyLengthChooser, resolve_policy
 from .target_features import check_drafter_fits_target, extract_target_features, hidden_states_request
 
 
@@ -84,6 +85,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
             else None
         )
         self.num_target_layers = target.config.get_text_config().num_hidden_layers
+        self.verify_length = VerifyLengthChooser(resolve_policy(generation_config, drafter),
+                                                 drafter.config.sts_temperatures)
         self.model_kwargs_overrides = {"output_hidden_states": hidden_states_request(drafter.config)}
         self.cache = DynamicCache()
         self.context_length = 0  # target positions whose features are in the drafter cache
@@ -136,6 +139,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
         )
         tokens = proposal.tokens.to(input_ids.device)
         num_tokens = self._stop_length(input_ids, tokens) if budget > 0 or first else 0
+        if not first:
+            num_tokens = self.verify_length(proposal.confidence_logits, num_tokens)
 
         self.stats.draft_seconds.append(time.perf_counter() - started)
         self._handed_over_at = time.perf_counter()

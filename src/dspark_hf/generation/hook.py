@@ -24,6 +24,7 @@ from transformers.generation.utils import GenerationMixin
 
 from ..models import DSparkDraftModel
 from .candidate_generator import DSparkCandidateGenerator
+from .policy import register_generation_arguments, resolve_policy
 from .target_features import check_drafter_fits_target
 
 MIN_TRANSFORMERS = Version("5.17.0")
@@ -49,6 +50,7 @@ def _validate_dspark_generation(target, generation_mode, generation_config, draf
         if getattr(generation_config, flag, None):
             raise ValueError(f"{flag} selects another drafting method; it cannot be combined with a DSpark drafter.")
     check_drafter_fits_target(drafter.config, target)
+    resolve_policy(generation_config, drafter)
 
 
 def install() -> None:
@@ -96,6 +98,7 @@ def install() -> None:
             self, assistant_model, generation_config, logits_processor, tokenizer=target_tokenizer
         )
 
+    register_generation_arguments()
     setattr(_get_candidate_generator, _INSTALLED_MARK, True)
     GenerationMixin._validate_generation_mode = _validate_generation_mode
     GenerationMixin._get_candidate_generator = _get_candidate_generator

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from safetensors import SafetensorError
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import GenerationConfig, PreTrainedModel
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding
@@ -24,6 +25,10 @@ from .qwen3 import DSparkDecoderLayer
 
 # Weights the drafter may take from its target instead of storing its own copy.
 SHAREABLE_WEIGHTS = {"embed_tokens.weight": "embed_tokens", "lm_head.weight": "lm_head"}
+
+# `DSparkConfig.backbone` -> the `DSparkDraftModel` subclass that builds that family's layers (registered by
+# `models/gemma4.py`, `models/deepseek_v4.py`). "qwen3" is `DSparkDraftModel` itself.
+BACKBONE_MODELS: dict[str, type] = {}
 
 # `select(drafted_so_far [B, i], logits [B, V] float32) -> (tokens [B], processed logits [B, V] float32)`:
 # picks slot i's token and returns the exact logits it was drawn from (softmax of them = q).
@@ -69,6 +74,18 @@ class DSparkDraftModel(DSparkPreTrainedModel):
 
     # Set by `dspark_hf.generation.hook.install()`: None once generate() routes DSpark drafters, else the reason.
     hook_unavailable_reason: str | None = "dspark_hf's generate() hook is not installed (import dspark_hf)."
+    # Set by `dspark_hf.checkpoints` on import (models never import checkpoints): `(name_or_path, kwargs) -> None`
+    # (native / DeepSpec-Qwen3 layout: load as usual), a `DSparkConfig` (another layout whose weight names are ours)
+    # or a loaded drafter (a layout it had to remap); raises a ValueError naming the known formats otherwise.
+    checkpoint_resolver: ClassVar[Callable | None] = None
+
+    def __new__(cls, config: DSparkConfig, *args, **kwargs):
+        # `DSparkDraftModel(config)` builds the subclass of `config.backbone` (Gemma4, DeepSeek-V4, ...).
+        if cls is DSparkDraftModel and getattr(config, "backbone", "qwen3") != "qwen3":
+            if config.backbone not in BACKBONE_MODELS:
+                raise ValueError(f"No drafter class registered for backbone {config.backbone!r}.")
+            cls = BACKBONE_MODELS[config.backbone]
+        return super().__new__(cls)
 
     def __init__(self, config: DSparkConfig):
         super().__init__(config)
@@ -77,20 +94,26 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         if config.mask_token_id is None:
             raise ValueError("DSparkConfig.mask_token_id must be set (the token filling the block after the anchor).")
         hidden = config.hidden_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, hidden, config.pad_token_id)
-        self.layers = nn.ModuleList(DSparkDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
+        self._build_backbone(config)
         self.fc = nn.Linear(len(config.target_layer_ids) * hidden, hidden, bias=False)
-        self.hidden_norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
-        self.lm_head = nn.Linear(hidden, config.vocab_size, bias=False)
-        self.rotary_emb = Qwen3RotaryEmbedding(config=config)
         self.markov_head = MarkovHead(config) if config.markov_rank > 0 else None
         self.confidence_head = ConfidenceHead(config) if config.enable_confidence_head else None
         # Weights absent from the loaded checkpoint, to be taken from the target (see `share_target_weights`).
         self.weights_from_target: set[str] = set()
         # Weights that are the target's own Parameters (after `share_target_weights`).
         self.shared_with_target: set[str] = set()
+        self.generation_config = GenerationConfig()  # DSpark defaults only; sampling settings come from the target
         self.post_init()
+
+    def _build_backbone(self, config: DSparkConfig) -> None:
+        """Family-specific modules: `embed_tokens`, `layers`, `norm`, `hidden_norm`, `lm_head`, `rotary_emb`."""
+        hidden = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, hidden, config.pad_token_id)
+        self.layers = nn.ModuleList(DSparkDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.hidden_norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(hidden, config.vocab_size, bias=False)
+        self.rotary_emb = Qwen3RotaryEmbedding(config=config)
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -102,6 +125,13 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         """
         if kwargs.get("use_safetensors") is False:
             raise ValueError("dspark_hf loads safetensors checkpoints only (no pickle).")
+        if DSparkDraftModel.checkpoint_resolver is not None and kwargs.get("config") is None:
+            resolved = DSparkDraftModel.checkpoint_resolver(pretrained_model_name_or_path, kwargs)
+            if isinstance(resolved, DSparkDraftModel):
+                return (resolved, {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": []}) if kwargs.get(
+                    "output_loading_info") else resolved
+            if resolved is not None:
+                kwargs["config"] = resolved
         kwargs["use_safetensors"] = True
         want_info = kwargs.pop("output_loading_info", False)
         kwargs.setdefault("ignore_mismatched_sizes", True)  # collect shape mismatches and report them all below
@@ -130,6 +160,11 @@ class DSparkDraftModel(DSparkPreTrainedModel):
                 f"confidence head={model.config.enable_confidence_head}): " + "; ".join(problems)
             )
         model.weights_from_target = {SHAREABLE_WEIGHTS[key] for key in missing}
+        hub_kwargs = {k: kwargs[k] for k in ("cache_dir", "revision", "token", "local_files_only", "subfolder") if k in kwargs}
+        try:  # the drafter's DSpark generation defaults (dspark_policy, ...), when the checkpoint has them
+            model.generation_config = GenerationConfig.from_pretrained(pretrained_model_name_or_path, **hub_kwargs)
+        except OSError:
+            pass
         return (model, info) if want_info else model
 
     def share_target_weights(self, target: PreTrainedModel) -> list[str]:
@@ -187,6 +222,12 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             if SHAREABLE_WEIGHTS.get(key) not in dropped
         }
         super().save_pretrained(save_directory, *args, state_dict=state_dict, **kwargs)
+
+    @classmethod
+    def can_generate(cls) -> bool:
+        """True so that transformers keeps, saves and loads a `generation_config` for the drafter: it carries the
+        drafter's DSpark defaults (`dspark_policy`, `dspark_threshold`), read when it drafts for a target."""
+        return True
 
     def generate(self, *args, **kwargs):
         """Not a standalone LM: reached only when transformers routes the drafter to its default assistant path."""
@@ -271,7 +312,9 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         them into a token and the exact logits it was drawn from.
         """
         gamma = self.config.block_size
-        num_tokens = gamma if num_tokens is None else min(num_tokens, gamma)
+        slots = self.config.num_draft_slots  # z-lab layout: mask slot j (1..γ-1) drafts position anchor + j
+        offset = gamma - slots
+        num_tokens = slots if num_tokens is None else min(num_tokens, slots)
         batch = anchor_ids.shape[0]
         block_ids = anchor_ids.new_full((batch, gamma), self.config.mask_token_id)
         block_ids[:, 0] = anchor_ids
@@ -281,7 +324,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             position_ids=position_ids,
             context_position_ids=context_position_ids,
             past_key_values=past_key_values,
-        ).last_hidden_state
+        ).last_hidden_state[:, offset:]
         base_logits = self.compute_logits(hidden[:, :num_tokens])
 
         tokens, step_logits = [], []
