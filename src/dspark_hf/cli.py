@@ -21,15 +21,6 @@ def _load_pair(target_id: str, drafter_id: str, dtype: str, device: str):
     return tokenizer, target, drafter
 
 
-def _encode(tokenizer, prompt: str, chat: bool) -> torch.LongTensor:
-    if chat:
-        return tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt",
-            return_dict=True, enable_thinking=False,
-        )["input_ids"]
-    return tokenizer(prompt, return_tensors="pt")["input_ids"]
-
-
 def _print_comparison(tokenizer, comparison) -> None:
     from .evaluation import Comparison
 
@@ -47,10 +38,10 @@ def _print_comparison(tokenizer, comparison) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from .evaluation import compare_generation
+    from .evaluation import compare_generation, encode_prompt
 
     tokenizer, target, drafter = _load_pair(args.target, args.drafter, args.dtype, args.device)
-    input_ids = _encode(tokenizer, args.prompt, args.chat).to(args.device)
+    input_ids = encode_prompt(tokenizer, args.prompt, args.chat).to(args.device)
     sampling = dict(do_sample=args.temperature > 0, max_new_tokens=args.max_new_tokens)
     if args.temperature > 0:
         sampling.update(temperature=args.temperature, top_p=args.top_p)
@@ -58,6 +49,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
     compare_generation(target, drafter, input_ids, **{**sampling, "max_new_tokens": 4})  # warm-up
     torch.manual_seed(args.seed)
     _print_comparison(tokenizer, compare_generation(target, drafter, input_ids, **sampling))
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    import json
+
+    from .evaluation import calibrate_drafter, encode_prompt, load_prompts
+
+    tokenizer, target, drafter = _load_pair(args.target, args.drafter, args.dtype, args.device)
+    prompts = [encode_prompt(tokenizer, p, args.chat) for p in load_prompts(args.prompts, args.num_prompts)]
+    metrics = calibrate_drafter(target, drafter, prompts, args.temperature, args.output,
+                                max_new_tokens=args.max_new_tokens, holdout_fraction=args.holdout, seed=args.seed)
+    summary = {"sts_temperatures": metrics["sts_temperatures"], "held_out_mean_ece_raw": metrics["raw"]["mean_ece"],
+               "held_out_mean_ece_sts": metrics["sts"]["mean_ece"]}
+    print(json.dumps(summary, indent=2))
+    print(f"calibrated drafter, metrics.json and reliability.png written to {args.output}")
     return 0
 
 
@@ -83,6 +90,21 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     generate.add_argument("--seed", type=int, default=0)
     generate.set_defaults(func=cmd_generate)
+
+    calibrate = commands.add_parser("calibrate", help="fit Sequential Temperature Scaling from real rollouts")
+    calibrate.add_argument("--target", required=True)
+    calibrate.add_argument("--drafter", required=True)
+    calibrate.add_argument("--prompts", required=True, help="JSONL (prompt/question/turns/messages) or text file")
+    calibrate.add_argument("--temperature", type=float, required=True, help="the serving temperature (0 = greedy)")
+    calibrate.add_argument("--output", required=True, help="folder for drafter/, metrics.json, reliability.png")
+    calibrate.add_argument("--num-prompts", type=int, default=None)
+    calibrate.add_argument("--max-new-tokens", type=int, default=128)
+    calibrate.add_argument("--holdout", type=float, default=0.3, help="fraction of prompts held out for scoring")
+    calibrate.add_argument("--chat", action="store_true")
+    calibrate.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    calibrate.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    calibrate.add_argument("--seed", type=int, default=0)
+    calibrate.set_defaults(func=cmd_calibrate)
 
     demo = commands.add_parser("demo", help="offline side-by-side of plain decoding and DSpark")
     demo.add_argument("--target", help="target model (Hub id or folder); default: a built-in tiny pair")

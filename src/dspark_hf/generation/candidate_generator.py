@@ -24,13 +24,15 @@ from .target_features import check_drafter_fits_target, extract_target_features,
 class DSparkStats:
     """What one `generate()` call did, round by round (read it from `drafter.generation_stats`).
 
-    `drafted[i]` tokens proposed in round i, `committed[i]` tokens it added (accepted drafts + bonus/correction),
+    `drafted[i]` tokens proposed for verification in round i, `accepted[i]` how many of them were accepted,
+    `committed[i]` tokens the round added (accepted drafts + bonus/correction; no bonus after an accepted eos),
     `confidence_logits[i]` the raw confidence logits of the proposed slots, `draft_seconds[i]` drafting time and
     `verify_seconds[i]` the time from handing the candidates over to the next call (target forward, acceptance,
     bookkeeping). The prefill round is not counted.
     """
 
     drafted: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
     committed: list[int] = field(default_factory=list)
     confidence_logits: list[torch.Tensor] = field(default_factory=list)
     draft_seconds: list[float] = field(default_factory=list)
@@ -50,7 +52,7 @@ class DSparkStats:
         gamma = max(self.drafted, default=0)
         rates = []
         for k in range(gamma):
-            proposed = [c - 1 for d, c in zip(self.drafted, self.committed) if d > k]
+            proposed = [a for d, a in zip(self.drafted, self.accepted) if d > k]
             rates.append(sum(a > k for a in proposed) / len(proposed) if proposed else float("nan"))
         return rates
 
@@ -94,6 +96,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         drafter.generation_stats = self.stats
         self._handed_over_at: float | None = None
         self._length_before_verify: int | None = None  # None: the last forward was the prefill
+        self._verified_drafts: torch.LongTensor | None = None
 
     # transformers calls this with keyword arguments (see `_assisted_decoding`).
     def get_candidates(
@@ -145,19 +148,24 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self.stats.draft_seconds.append(time.perf_counter() - started)
         self._handed_over_at = time.perf_counter()
         self._length_before_verify = input_ids.shape[1]
-        if num_tokens == 0:
-            self.stats.drafted.append(0)
-            self.stats.confidence_logits.append(torch.empty(0))
-            return input_ids, None
+        self._verified_drafts = tokens[0, :num_tokens]
         self.stats.drafted.append(num_tokens)
-        if proposal.confidence_logits is not None:
-            self.stats.confidence_logits.append(proposal.confidence_logits[0, :num_tokens].cpu())
+        confidence = proposal.confidence_logits
+        self.stats.confidence_logits.append(confidence[0, :num_tokens].cpu() if confidence is not None else torch.empty(0))
+        if num_tokens == 0:
+            return input_ids, None
         candidates = torch.cat([input_ids, tokens[:, :num_tokens]], dim=1)
         return candidates, proposal.logits[:, :num_tokens].to(input_ids.device)
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int) -> None:
         if self._length_before_verify is not None:
-            self.stats.committed.append(input_ids.shape[1] - self._length_before_verify)
+            new_tokens = input_ids[0, self._length_before_verify:]
+            drafts = self._verified_drafts
+            # Accepted drafts = common prefix of drafts and committed tokens (a correction never equals the rejected
+            # draft: greedy picks another argmax, and the residual max(p - q, 0) is 0 at a rejected token).
+            common = new_tokens[: drafts.numel()] == drafts[: new_tokens.numel()]
+            self.stats.accepted.append(int(common.long().cumprod(0).sum()))
+            self.stats.committed.append(new_tokens.numel())
 
     # ------------------------------------------------------------------ helpers
     def _selector(self, prefix: torch.LongTensor):
