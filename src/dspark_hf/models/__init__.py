@@ -3,6 +3,8 @@
 from .configuration import KNOWN_ARCHITECTURES, DSparkConfig
 from .heads import ConfidenceHead, MarkovHead
 from .modeling import DraftProposal, DSparkDraftModel, DSparkPreTrainedModel, TokenSelector, greedy_selector
+from .gemma4 import Gemma4DSparkDraftModel  # noqa: E402  (registers backbone "gemma4")
+from .deepseek_v4 import DeepseekV4DSparkDraftModel  # noqa: E402  (registers backbone "deepseek_v4")
 
 __all__ = [
     "KNOWN_ARCHITECTURES",
@@ -10,6 +12,8 @@ __all__ = [
     "DSparkConfig",
     "DSparkDraftModel",
     "DSparkPreTrainedModel",
+    "DeepseekV4DSparkDraftModel",
+    "Gemma4DSparkDraftModel",
     "DraftProposal",
     "MarkovHead",
     "TokenSelector",

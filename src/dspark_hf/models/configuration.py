@@ -10,10 +10,16 @@ from huggingface_hub.dataclasses import strict
 from transformers import Qwen3Config
 
 # Checkpoint layouts this class reads directly (`architectures[0]` in config.json).
-NATIVE_ARCHITECTURES = ("DSparkDraftModel",)
+# (save_pretrained writes the class name: the per-backbone subclasses of DSparkDraftModel are native too)
+NATIVE_ARCHITECTURES = ("DSparkDraftModel", "Gemma4DSparkDraftModel", "DeepseekV4DSparkDraftModel")
 DEEPSPEC_ARCHITECTURES = ("Qwen3DSparkModel",)
 KNOWN_ARCHITECTURES = NATIVE_ARCHITECTURES + DEEPSPEC_ARCHITECTURES
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
+# Backbone families (`DSparkConfig.backbone`): one module per family under `dspark_hf.models`.
+BACKBONES = ("qwen3", "gemma4", "deepseek_v4")
+# How a block maps to drafts (`DSparkConfig.block_layout`): DeepSpec's anchor-as-first-prediction (γ inputs, γ drafts,
+# slot i predicts position anchor + i + 1) or z-lab DFlash's (γ inputs, γ-1 drafts, mask slot j predicts anchor + j).
+BLOCK_LAYOUTS = ("deepspec", "zlab")
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -40,6 +46,11 @@ class DSparkConfig(Qwen3Config):
     - `enable_confidence_head` / `confidence_head_with_markov`: the per-slot acceptance predictor.
     - `sts_temperatures`: per-slot temperatures from Sequential Temperature Scaling (None = uncalibrated).
     - `num_anchors`: anchors sampled per training sequence.
+    - `backbone`: the layer family (`qwen3`, `gemma4`, `deepseek_v4`). For non-Qwen3 families, `backbone_config` holds
+      that family's own transformers config fields (Gemma4TextConfig / DeepseekV4Config kwargs); the top-level sizes
+      (`hidden_size`, `vocab_size`, `num_hidden_layers`, `rms_norm_eps`) mirror it.
+    - `block_layout`: `deepspec` (γ drafts; slot i predicts anchor + i + 1) or `zlab` (z-lab DFlash: γ-1 drafts; mask
+      slot j predicts anchor + j).
     """
 
     model_type = "dspark"
@@ -54,6 +65,9 @@ class DSparkConfig(Qwen3Config):
     enable_confidence_head: bool = True
     confidence_head_with_markov: bool = True
     sts_temperatures: list[float] | None = None
+    backbone: str = "qwen3"
+    backbone_config: dict | None = None
+    block_layout: str = "deepspec"
 
     def __post_init__(self, **kwargs):
         architectures = self.architectures or kwargs.get("architectures") or []
@@ -76,6 +90,14 @@ class DSparkConfig(Qwen3Config):
             raise ValueError(
                 f"sts_temperatures has {len(self.sts_temperatures)} entries, expected block_size={self.block_size}."
             )
+        if self.backbone not in BACKBONES:
+            raise ValueError(f"backbone must be one of {BACKBONES}, got {self.backbone!r}.")
+        if self.backbone != "qwen3" and not self.backbone_config:
+            raise ValueError(f"backbone={self.backbone!r} needs backbone_config (that family's config fields).")
+        if self.block_layout not in BLOCK_LAYOUTS:
+            raise ValueError(f"block_layout must be one of {BLOCK_LAYOUTS}, got {self.block_layout!r}.")
+        if self.block_layout == "zlab" and self.block_size < 2:
+            raise ValueError("A z-lab (DFlash) block needs block_size >= 2: the anchor slot drafts nothing.")
         # DeepSpec drafters attend to all context and the whole block: no sliding window.
         if self.layer_types is None:
             self.layer_types = ["full_attention"] * self.num_hidden_layers
@@ -117,6 +139,11 @@ class DSparkConfig(Qwen3Config):
     def is_dflash(self) -> bool:
         """True for a plain DFlash drafter (no Markov head, no confidence head)."""
         return self.markov_rank == 0 and not self.enable_confidence_head
+
+    @property
+    def num_draft_slots(self) -> int:
+        """Drafts one block yields: `block_size` (DeepSpec layout) or `block_size - 1` (z-lab layout)."""
+        return self.block_size - (1 if self.block_layout == "zlab" else 0)
 
     @property
     def confidence_input_size(self) -> int:
