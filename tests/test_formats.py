@@ -347,7 +347,6 @@ def test_unknown_formats_name_the_known_ones(tmp_path):
 def test_convert_cli_parser_and_model_card(tmp_path, capsys):
     write(tmp_path / "src", gemma4_config(), gemma4_state())
     parser = argparse.ArgumentParser(prog="dspark-hf")
-    ck.commands_parser = None
     from dspark_hf.checkpoints.commands import add_convert_parser
 
     add_convert_parser(parser.add_subparsers(dest="command"))
