@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import install_bigram_oracle, make_bigram_like, tiny_drafter, tiny_target
+from tiny_models import char_tokenizer, install_bigram_oracle, make_bigram_like, tiny_drafter, tiny_target
 from transformers.generation.streamers import BaseStreamer
 
 import dspark_hf  # noqa: F401  (installs the generate() hook)
@@ -122,3 +122,21 @@ def test_first_draft_reads_the_whole_prompt():
     for new_context, cached, anchor_position in seen[1:]:
         assert cached + new_context == anchor_position
     assert seen[-1][2] < out.shape[1]
+
+
+def test_stop_strings_cut_where_plain_decoding_stops():
+    """A stop string completed inside an accepted draft ends generation at the same token as plain decoding."""
+    tokenizer = char_tokenizer()
+    target = make_bigram_like(tiny_target("qwen3", vocab_size=96, eos_token_id=2))
+    drafter = install_bigram_oracle(tiny_drafter(target, block_size=7, markov_rank=96), target)
+    stopped = 0
+    for ids in prompts(96, count=25, seed=11):
+        # Stop at the bigram of the first two tokens plain decoding produces after a warm-up, so it really occurs.
+        free = target.generate(ids, max_new_tokens=30, do_sample=False)
+        stop = tokenizer.decode(free[0, ids.shape[1] + 3: ids.shape[1] + 5])
+        kwargs = dict(max_new_tokens=30, do_sample=False, stop_strings=[stop], tokenizer=tokenizer)
+        reference = target.generate(ids, **kwargs)
+        out = target.generate(ids, assistant_model=drafter, **kwargs)
+        assert torch.equal(out, reference), (stop, ids.tolist())
+        stopped += reference.shape[1] < free.shape[1]
+    assert stopped > 10  # the stop strings did end most generations early

@@ -89,3 +89,20 @@ def install_bigram_oracle(drafter: DSparkDraftModel, target: PreTrainedModel, sc
         drafter.markov_head.markov_w1.weight.copy_(torch.eye(vocab))
         drafter.markov_head.markov_w2.weight.copy_(scale * table.T)
     return drafter
+
+
+def char_tokenizer():
+    """A 96-token character tokenizer matching `tiny_target`'s default vocab: <pad> <s> </s> <mask>, then
+    digits, letters, space, newline and 28 punctuation marks."""
+    import string
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = list(string.digits + string.ascii_letters + " \n" + string.punctuation[:28])
+    vocab = {token: i for i, token in enumerate(["<pad>", "<s>", "</s>", "<mask>"] + chars)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), "isolated")
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   mask_token="<mask>")

@@ -10,6 +10,7 @@ Importing the package registers `DSparkConfig` / `DSparkDraftModel` with `AutoCo
 
 from transformers import AutoConfig, AutoModel
 
+from . import checkpoints  # registers the checkpoint-format resolver used by DSparkDraftModel.from_pretrained
 from .generation import DSparkCandidateGenerator, DSparkStats, install
 from .models import DraftProposal, DSparkConfig, DSparkDraftModel
 

@@ -74,51 +74,50 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+def _add_model_arguments(parser: argparse.ArgumentParser, required: bool = True) -> None:
+    """--target/--drafter plus where and in which dtype to run them."""
+    parser.add_argument("--target", required=required, help="target model: Hub id or local folder")
+    parser.add_argument("--drafter", required=required, help="DSpark drafter: Hub id or local folder")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--chat", action="store_true", help="wrap prompts in the target's chat template")
+
+
+def _add_decoding_arguments(parser: argparse.ArgumentParser, prompt: str | None, max_new_tokens: int) -> None:
+    parser.add_argument("--prompt", required=prompt is None, default=prompt)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dspark-hf", description="DSpark speculative decoding for transformers.")
     commands = parser.add_subparsers(dest="command", required=True)
 
     generate = commands.add_parser("generate", help="decode one prompt with DSpark and with plain decoding")
-    generate.add_argument("--target", required=True, help="target model: Hub id or local folder")
-    generate.add_argument("--drafter", required=True, help="DSpark drafter: Hub id or local folder")
-    generate.add_argument("--prompt", required=True)
-    generate.add_argument("--chat", action="store_true", help="wrap the prompt in the target's chat template")
-    generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    generate.add_argument("--top-p", type=float, default=1.0)
-    generate.add_argument("--max-new-tokens", type=int, default=128)
-    generate.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    generate.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    generate.add_argument("--seed", type=int, default=0)
+    _add_model_arguments(generate)
+    _add_decoding_arguments(generate, prompt=None, max_new_tokens=128)
     generate.set_defaults(func=cmd_generate)
 
     calibrate = commands.add_parser("calibrate", help="fit Sequential Temperature Scaling from real rollouts")
-    calibrate.add_argument("--target", required=True)
-    calibrate.add_argument("--drafter", required=True)
+    _add_model_arguments(calibrate)
     calibrate.add_argument("--prompts", required=True, help="JSONL (prompt/question/turns/messages) or text file")
     calibrate.add_argument("--temperature", type=float, required=True, help="the serving temperature (0 = greedy)")
     calibrate.add_argument("--output", required=True, help="folder for drafter/, metrics.json, reliability.png")
     calibrate.add_argument("--num-prompts", type=int, default=None)
     calibrate.add_argument("--max-new-tokens", type=int, default=128)
     calibrate.add_argument("--holdout", type=float, default=0.3, help="fraction of prompts held out for scoring")
-    calibrate.add_argument("--chat", action="store_true")
-    calibrate.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    calibrate.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    calibrate.add_argument("--seed", type=int, default=0)
     calibrate.set_defaults(func=cmd_calibrate)
 
     demo = commands.add_parser("demo", help="offline side-by-side of plain decoding and DSpark")
-    demo.add_argument("--target", help="target model (Hub id or folder); default: a built-in tiny pair")
-    demo.add_argument("--drafter", help="DSpark drafter (Hub id or folder)")
-    demo.add_argument("--prompt", default="def quicksort(items):")
-    demo.add_argument("--chat", action="store_true")
-    demo.add_argument("--temperature", type=float, default=0.0)
-    demo.add_argument("--top-p", type=float, default=1.0)
-    demo.add_argument("--max-new-tokens", type=int, default=48)
-    demo.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    demo.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    demo.add_argument("--seed", type=int, default=0)
+    _add_model_arguments(demo, required=False)
+    _add_decoding_arguments(demo, prompt="def quicksort(items):", max_new_tokens=48)
     demo.set_defaults(func=cmd_demo)
 
+    from .checkpoints.commands import add_convert_parser
+
+    add_convert_parser(commands)
     try:
         from .training.commands import add_data_parser, add_train_parser
     except ImportError:
