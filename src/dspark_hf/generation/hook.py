@@ -1,11 +1,15 @@
 """The one hook that makes `target.generate(..., assistant_model=<DSparkDraftModel>)` run DSpark.
 
-transformers (5.17 and later 5.x) has no public argument to choose a candidate generator, so `install()` wraps two
+transformers (5.17 and later 5.x) has no public argument to choose a candidate generator, so `install()` wraps three
 private `GenerationMixin` methods, and only changes their behaviour when the assistant is a `DSparkDraftModel`:
 
 - `_validate_generation_mode`: checks the drafter against the target and the generation arguments, with clear
   errors, before any work;
-- `_get_candidate_generator`: returns a `DSparkCandidateGenerator`.
+- `_get_candidate_generator`: returns a `DSparkCandidateGenerator` (batch size 1: transformers' own
+  `_assisted_decoding` loop runs, we only draft);
+- `_assisted_decoding` (the decoding method `generate()` looks up for assisted generation, after preparing the
+  config, masks, processors and stopping criteria): for batch size > 1 it runs `batched.batched_generate`, our
+  own loop with per-row verify lengths (transformers' loop is batch-1 only); batch size 1 goes on to the original.
 
 `install()` runs on `import dspark_hf`. It checks the transformers version and the two methods' signatures and
 refuses to patch a transformers it does not recognise, recording why in `DSparkDraftModel.hook_unavailable_reason`;
@@ -20,7 +24,7 @@ import inspect
 import transformers
 from packaging.version import Version
 from transformers.generation.configuration_utils import GenerationMode
-from transformers.generation.utils import GenerationMixin
+from transformers.generation.utils import GENERATION_MODES_MAPPING, GenerationMixin
 
 from ..models import DSparkDraftModel
 from .candidate_generator import DSparkCandidateGenerator
@@ -31,6 +35,7 @@ MIN_TRANSFORMERS = Version("5.17.0")
 _EXPECTED_PARAMETERS = {
     "_get_candidate_generator": {"generation_config", "input_ids", "logits_processor", "model_kwargs", "assistant_model"},
     "_validate_generation_mode": {"generation_mode", "generation_config", "generation_mode_kwargs"},
+    "_assisted_decoding": {"input_ids", "logits_processor", "stopping_criteria", "generation_config", "assistant_model"},
 }
 _INSTALLED_MARK = "__dspark_hf_hook__"
 
@@ -70,7 +75,15 @@ def install() -> None:
     if getattr(GenerationMixin._get_candidate_generator, _INSTALLED_MARK, False):
         return
 
+    if GENERATION_MODES_MAPPING.get(GenerationMode.ASSISTED_GENERATION) != "_assisted_decoding":
+        DSparkDraftModel.hook_unavailable_reason = (
+            f"transformers {version} no longer decodes assisted generation with GenerationMixin._assisted_decoding; "
+            "this dspark_hf release cannot hook it. Install a transformers version in the range tested by dspark_hf."
+        )
+        return
+
     original_validate = GenerationMixin._validate_generation_mode
+    original_assisted = GenerationMixin._assisted_decoding
     original_get_generator = GenerationMixin._get_candidate_generator
 
     @functools.wraps(original_validate)
@@ -90,16 +103,28 @@ def install() -> None:
                 target_tokenizer=target_tokenizer, assistant_tokenizer=assistant_tokenizer, **kwargs,
             )
         if input_ids.shape[0] != 1:
-            raise ValueError(
-                f"DSpark generate() runs one prompt at a time for now (got batch size {input_ids.shape[0]}); "
-                "batched DSpark decoding is a planned feature. Call generate() per prompt."
+            raise ValueError(  # batch > 1 normally never gets here: `_assisted_decoding` below routes it
+                f"{type(self).__name__} overrides the assisted-decoding loop, so batched DSpark decoding cannot run "
+                f"(got batch size {input_ids.shape[0]}). Call generate() per prompt."
             )
         return DSparkCandidateGenerator(
             self, assistant_model, generation_config, logits_processor, tokenizer=target_tokenizer
         )
 
+    @functools.wraps(original_assisted)
+    def _assisted_decoding(self, input_ids, *args, **kwargs):
+        drafter = kwargs.get("assistant_model")
+        if isinstance(drafter, DSparkDraftModel) and input_ids.shape[0] > 1:
+            from .batched import batched_generate
+
+            for name in ("assistant_model", "inputs_tensor", "assistant_tokenizer", "tokenizer"):
+                kwargs.pop(name, None)  # stop strings already are in the prepared stopping criteria
+            return batched_generate(self, drafter, input_ids, *args, **kwargs)
+        return original_assisted(self, input_ids, *args, **kwargs)
+
     register_generation_arguments()
     setattr(_get_candidate_generator, _INSTALLED_MARK, True)
     GenerationMixin._validate_generation_mode = _validate_generation_mode
     GenerationMixin._get_candidate_generator = _get_candidate_generator
+    GenerationMixin._assisted_decoding = _assisted_decoding
     DSparkDraftModel.hook_unavailable_reason = None
