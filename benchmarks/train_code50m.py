@@ -283,7 +283,9 @@ def evaluate_phase(args) -> None:
         key = f"t{temp:g}"
         for name, path in drafters.items():
             drafter = DSparkDraftModel.from_pretrained(path, dtype=torch.float32)
+            t = time.time()
             r = measure_tau(target, drafter, prompts, args.max_new_tokens, temperature=temp)
+            print(f"{name} {key} {time.time() - t:.0f}s", flush=True)
             results["tau"].setdefault(name, {})[key] = r["tau"]
             results["conditional_acceptance"].setdefault(name, {})[key] = r["conditional_acceptance"]
             results["rounds"].setdefault(name, {})[key] = r["rounds"]

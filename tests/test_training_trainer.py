@@ -106,3 +106,38 @@ def test_saved_drafter_loads_and_drives_generate(target_and_data, tmp_path):
         output = target.generate(ids, max_new_tokens=16, do_sample=False, assistant_model=drafter)
     assert torch.equal(output, reference)
     assert drafter.generation_stats.rounds > 0 and drafter.generation_stats.tau >= 1.0
+
+
+@pytest.fixture(scope="module")
+def code50m_target(tmp_path_factory):
+    """The 50M code fixture, materialised once (float32)."""
+    import subprocess
+    import sys
+
+    from conftest import shared_path
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    fixtures = shared_path("fixtures")
+    target_dir = str(tmp_path_factory.mktemp("code50m") / "target")
+    subprocess.run([sys.executable, str(fixtures / "materialize.py"), "code-llama-50m", target_dir], check=True,
+                   capture_output=True)
+    return AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval(), \
+        AutoTokenizer.from_pretrained(target_dir)
+
+
+@pytest.mark.fixtures
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["code50m-dspark", "code50m-dflash"])
+def test_committed_code50m_drafters_drive_the_fixture_target(code50m_target, name):
+    """The GPU-trained drafters under drafters/ load and stay lossless with the 50M code fixture (float32, CPU)."""
+    drafter_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "drafters", name)
+    if not os.path.exists(os.path.join(drafter_dir, "model.safetensors")):
+        pytest.skip(f"{drafter_dir} is absent")
+    target, tokenizer = code50m_target
+    drafter = DSparkDraftModel.from_pretrained(drafter_dir, dtype=torch.float32)
+    ids = tokenizer("import os\nimport sys\n\n\ndef main(argv):\n    parser = ", return_tensors="pt").input_ids
+    with torch.no_grad():
+        reference = target.generate(ids, max_new_tokens=24, do_sample=False)
+        output = target.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=drafter)
+    assert torch.equal(output, reference)
+    assert drafter.generation_stats.tau > 1.0
