@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 
 def _load_target(path: str, dtype: str = "auto"):
@@ -99,7 +98,7 @@ def run_train(args: argparse.Namespace) -> int:
     dataset = load_dataset(args.data, tokenizer, config, args.data_format, args.chat_template, args.max_tokens)
     prompts = []
     if args.eval_holdout:
-        held, dataset = dataset.split(args.eval_holdout)[1], dataset.split(args.eval_holdout)[0]
+        dataset, held = dataset.split(args.eval_holdout)
         prompts = eval_prompts_from(held, args.eval_holdout)
     summary = train_drafter(target, tokenizer, dataset, config, args.output, eval_prompts=prompts,
                             resume=not args.no_resume)

@@ -262,7 +262,7 @@ def self_distill(target, tokenizer, input_path: str, output_path: str, batch_siz
         if rid not in done:
             todo.append((rid, record_messages(record)))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    tokenizer.padding_side = "left"
+    padding_side, tokenizer.padding_side = tokenizer.padding_side, "left"
     device = next(target.parameters()).device
     written = 0
     os.makedirs(os.path.dirname(os.path.abspath(output_path)), exist_ok=True)
@@ -307,4 +307,5 @@ def self_distill(target, tokenizer, input_path: str, output_path: str, batch_siz
             out.flush()
             bar.update(len(chunk))
     bar.close()
+    tokenizer.padding_side = padding_side
     return written
