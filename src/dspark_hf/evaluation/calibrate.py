@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
@@ -77,9 +78,11 @@ def calibrate_drafter(
     max_new_tokens: int = 128,
     holdout_fraction: float = 0.3,
     seed: int = 0,
+    plot: bool = True,
 ) -> dict:
-    """Fits STS on rollouts, writes `drafter/` (calibrated), `metrics.json` and `reliability.png` under
-    `output_dir`, and returns the metrics (raw vs STS on held-out prompts)."""
+    """Fits STS on rollouts, writes `drafter/` (calibrated), `metrics.json`, `records.safetensors` (the held-out
+    rounds) and `reliability.png` (unless `plot=False`) under `output_dir`; returns the metrics (raw vs STS on
+    held-out prompts)."""
     output_dir = Path(output_dir)
     records, origin = collect_confidence_records(target, drafter, prompts, temperature, max_new_tokens, seed)
     held_out = set(random.Random(seed).sample(range(len(prompts)), k=int(round(holdout_fraction * len(prompts)))))
@@ -93,8 +96,12 @@ def calibrate_drafter(
     drafter.config.sts_temperatures = [float(t) for t in temperatures]
     output_dir.mkdir(parents=True, exist_ok=True)
     drafter.save_pretrained(output_dir / "drafter")
-    reliability_diagram(test.logits, test.accepted, output_dir / "reliability.png", valid_mask=test.valid,
-                        temperatures=temperatures, title=f"confidence calibration, held-out prompts, T={temperature}")
+    save_file({"logits": test.logits, "accepted": test.accepted, "valid": test.valid},
+              str(output_dir / "records.safetensors"))
+    if plot:
+        reliability_diagram(test.logits, test.accepted, output_dir / "reliability.png", valid_mask=test.valid,
+                            temperatures=temperatures,
+                            title=f"confidence calibration, held-out prompts, T={temperature}")
     metrics = {
         "temperature": temperature,
         "max_new_tokens": max_new_tokens,

@@ -220,7 +220,7 @@ class SPSTable:
                 model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
                 _sync(device)
                 dt = time.perf_counter() - t0
-                cache.crop(context_length)
+                cache.crop(-per_row)  # back to the context (negative = tokens to remove)
                 if i >= warmup:
                     times.append(dt)
             sps_values.append(1.0 / statistics.median(times))
