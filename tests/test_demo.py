@@ -39,6 +39,14 @@ def test_demo_runs_offline_in_under_a_minute(tmp_path):
     assert seconds < 60, f"the demo took {seconds:.0f} s"
 
 
+@pytest.mark.skipif(find_demo_models() is None, reason="no embedded demo_models/ pair in this checkout yet")
+def test_demo_with_the_embedded_pair_in_under_a_minute(tmp_path):
+    result, seconds = run_demo(tmp_path, {"DSPARK_DEMO_MODELS": str(find_demo_models())})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "embedded pair from" in result.stdout and "identical to plain decoding: True" in result.stdout
+    assert seconds < 60, f"the demo took {seconds:.0f} s"
+
+
 def _tiny_embedded_pair(folder: Path) -> None:
     """A demo_models/ folder as scripts/build_demo_pair.py lays it out, at toy size (char tokenizer, random weights)."""
     from tokenizers import Tokenizer, models, pre_tokenizers

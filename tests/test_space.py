@@ -31,10 +31,10 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def space_url(tmp_path_factory):
     port = _free_port()
+    # The page opens on the embedded pair when demo_models/ exists, else on the tiny random pair.
     env = {**os.environ, "GRADIO_SERVER_PORT": str(port), "GRADIO_SERVER_NAME": "127.0.0.1",
-           "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1", "NO_COLOR": "1", "OMP_NUM_THREADS": "1", "DSPARK_SPACE_MAX_NEW_TOKENS": "24",
-           # the tiny random pair: fast and always there (the embedded pair is tested by test_demo.py)
-           "DSPARK_DEMO_MODELS": str(tmp_path_factory.mktemp("no-demo-models")), "DSPARK_SPACE_PAIR": "tiny"}
+           "GRADIO_ANALYTICS_ENABLED": "False", "HF_HUB_OFFLINE": "1", "NO_COLOR": "1", "OMP_NUM_THREADS": "1",
+           "DSPARK_SPACE_MAX_NEW_TOKENS": "24"}
     log = tmp_path_factory.mktemp("space") / "space.log"
     with open(log, "w") as handle:
         process = subprocess.Popen([sys.executable, str(APP)], cwd=tmp_path_factory.mktemp("cwd"), env=env,

@@ -97,9 +97,16 @@ class DemoPair:
 
 
 def find_demo_models(root: str | os.PathLike | None = None) -> Path | None:
-    """The embedded pair's folder (holding `target/` and `drafter/`), or None when it is not on this machine."""
-    candidates = [root] if root else [os.environ.get(DEMO_MODELS_ENV), Path.cwd() / "demo_models",
-                                      Path(__file__).resolve().parents[2] / "demo_models"]
+    """The embedded pair's folder (holding `target/` and `drafter/`), or None when it is not on this machine.
+
+    Looked up in `root` if given, else in `$DSPARK_DEMO_MODELS` if set (and nowhere else: point it at an empty folder
+    to force the tiny pair), else in `./demo_models` and the repository's `demo_models/`."""
+    if root:
+        candidates = [root]
+    elif os.environ.get(DEMO_MODELS_ENV):
+        candidates = [os.environ[DEMO_MODELS_ENV]]
+    else:
+        candidates = [Path.cwd() / "demo_models", Path(__file__).resolve().parents[2] / "demo_models"]
     for candidate in candidates:
         if candidate and (Path(candidate) / "target" / "config.json").is_file() \
                 and (Path(candidate) / "drafter" / "config.json").is_file():
