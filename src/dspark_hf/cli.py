@@ -68,6 +68,35 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from . import DSparkDraftModel
+    from .evaluation import load_task, plot_report, run_evaluation
+
+    tokenizer, target, drafter = _load_pair(args.target, args.drafter, args.dtype, args.device)
+    drafters = {"dspark": drafter}
+    for spec in args.compare or []:
+        name, _, path = spec.partition("=")
+        drafters[name] = DSparkDraftModel.from_pretrained(path, dtype=DTYPES[args.dtype]).to(args.device).eval()
+    tasks = {name: load_task(name, args.data_dir, args.num_samples, args.seed) for name in args.tasks.split(",")}
+    report = run_evaluation(
+        target, tokenizer, drafters, tasks, temperatures=[float(t) for t in args.temperature.split(",")],
+        max_new_tokens=args.max_new_tokens, chat=args.chat, seed=args.seed, baseline=not args.no_baseline,
+        threshold_sweep=[float(t) for t in args.threshold_sweep.split(",")] if args.threshold_sweep else [],
+        gamma=args.gamma,
+    )
+    output = Path(args.output)
+    output.mkdir(parents=True, exist_ok=True)
+    report["settings"] = {key: value for key, value in vars(args).items() if key != "func"}
+    (output / "results.json").write_text(json.dumps(report, indent=2) + "\n")
+    plot_report(report, output)
+    print(json.dumps(report["tau"], indent=2))
+    print(f"results.json and plots written to {output}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -109,6 +138,21 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--max-new-tokens", type=int, default=128)
     calibrate.add_argument("--holdout", type=float, default=0.3, help="fraction of prompts held out for scoring")
     calibrate.set_defaults(func=cmd_calibrate)
+
+    evaluation = commands.add_parser("eval", help="τ, acceptance per position, calibration and speed per task")
+    _add_model_arguments(evaluation)
+    evaluation.add_argument("--tasks", default="gsm8k,humaneval,mtbench", help="comma-separated task names")
+    evaluation.add_argument("--data-dir", help="local task JSONL folder (e.g. ../shared/data); else the Hub")
+    evaluation.add_argument("--num-samples", type=int, help="cap on prompts per task (default: DeepSpec's counts)")
+    evaluation.add_argument("--temperature", default="1.0", help="comma-separated, e.g. 0,1.0")
+    evaluation.add_argument("--max-new-tokens", type=int, default=256)
+    evaluation.add_argument("--output", required=True)
+    evaluation.add_argument("--compare", action="append", metavar="NAME=PATH",
+                            help="another drafter to evaluate alongside (e.g. dflash=PATH); repeatable")
+    evaluation.add_argument("--gamma", type=int, help="ablation: verify at most this many drafts per round")
+    evaluation.add_argument("--threshold-sweep", help="comma-separated static thresholds to sweep")
+    evaluation.add_argument("--no-baseline", action="store_true", help="skip plain decoding (no speedup)")
+    evaluation.set_defaults(func=cmd_eval)
 
     demo = commands.add_parser("demo", help="offline side-by-side of plain decoding and DSpark")
     _add_model_arguments(demo, required=False)

@@ -16,7 +16,7 @@ from transformers.generation import CandidateGenerator, LogitsProcessorList
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from ..models import DSparkDraftModel
-from .policy import VerifyLengthChooser, resolve_policy
+from .policy import VerifyLengthChooser, resolve_max_drafts, resolve_policy
 from .target_features import check_drafter_fits_target, extract_target_features, hidden_states_request
 
 
@@ -88,7 +88,8 @@ class DSparkCandidateGenerator(CandidateGenerator):
         )
         self.num_target_layers = target.config.get_text_config().num_hidden_layers
         self.verify_length = VerifyLengthChooser(resolve_policy(generation_config, drafter),
-                                                 drafter.config.sts_temperatures)
+                                                 drafter.config.sts_temperatures,
+                                                 resolve_max_drafts(generation_config, drafter))
         self.model_kwargs_overrides = {"output_hidden_states": hidden_states_request(drafter.config)}
         self.cache = DynamicCache()
         self.context_length = 0  # target positions whose features are in the drafter cache

@@ -28,7 +28,7 @@ from transformers.generation.utils import GENERATION_MODES_MAPPING, GenerationMi
 
 from ..models import DSparkDraftModel
 from .candidate_generator import DSparkCandidateGenerator
-from .policy import register_generation_arguments, resolve_policy
+from .policy import register_generation_arguments, resolve_max_drafts, resolve_policy
 from .target_features import check_drafter_fits_target
 
 MIN_TRANSFORMERS = Version("5.17.0")
@@ -56,6 +56,7 @@ def _validate_dspark_generation(target, generation_mode, generation_config, draf
             raise ValueError(f"{flag} selects another drafting method; it cannot be combined with a DSpark drafter.")
     check_drafter_fits_target(drafter.config, target)
     resolve_policy(generation_config, drafter)
+    resolve_max_drafts(generation_config, drafter)
 
 
 def install() -> None:

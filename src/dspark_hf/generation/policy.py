@@ -6,7 +6,8 @@ drafter's defaults; `save_pretrained` keeps them):
 - `dspark_policy`: `"fixed"` (verify every drafted token; the default), `"static_threshold"`, `"hardware_aware"`
   (Algorithm 1, synchronous, early stop) or `"hardware_aware_async"`;
 - `dspark_threshold`: the conditional-confidence threshold of `"static_threshold"`;
-- `dspark_sps_table`: an `SPSTable` (or a path to its JSON) for the hardware-aware policies.
+- `dspark_sps_table`: an `SPSTable` (or a path to its JSON) for the hardware-aware policies;
+- `dspark_gamma`: verify at most this many drafted tokens per round (an ablation of the block size γ at inference).
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ from ..calibration import apply_sts
 from ..models import DSparkDraftModel
 from ..scheduling import SchedulerPolicy, SPSTable, get_policy
 
-GENERATION_ARGUMENTS = ("dspark_policy", "dspark_threshold", "dspark_sps_table")
+GENERATION_ARGUMENTS = ("dspark_policy", "dspark_threshold", "dspark_sps_table", "dspark_gamma")
 
 
 def register_generation_arguments() -> None:
     """Lets `generate(..., dspark_policy=...)` reach the generation config (transformers only accepts kwargs that
-    are `GenerationConfig` attributes; class-level defaults of None make these three such attributes)."""
+    are `GenerationConfig` attributes; class-level defaults of None make these such attributes)."""
     for name in GENERATION_ARGUMENTS:
         if not hasattr(GenerationConfig, name):
             setattr(GenerationConfig, name, None)
@@ -60,16 +61,29 @@ def resolve_policy(generation_config: GenerationConfig, drafter: DSparkDraftMode
     return get_policy(name, sps_table=table)
 
 
+def resolve_max_drafts(generation_config: GenerationConfig, drafter: DSparkDraftModel) -> int | None:
+    """The `dspark_gamma` cap on verified drafts per round (None: the drafter's block)."""
+    gamma = _argument("dspark_gamma", generation_config, drafter)
+    if gamma is not None and not 1 <= int(gamma) <= drafter.config.num_draft_slots:
+        raise ValueError(f"dspark_gamma must be between 1 and the drafter's {drafter.config.num_draft_slots} "
+                         f"draft slots, got {gamma}.")
+    return None if gamma is None else int(gamma)
+
+
 class VerifyLengthChooser:
     """Applies a policy round by round at batch 1, keeping the confidences the asynchronous policy needs."""
 
-    def __init__(self, policy: SchedulerPolicy | None, temperatures: list[float] | None):
+    def __init__(self, policy: SchedulerPolicy | None, temperatures: list[float] | None,
+                 max_drafts: int | None = None):
         self.policy = policy
         self.temperatures = temperatures
+        self.max_drafts = max_drafts
         self.history: list[torch.Tensor] = []
 
     def __call__(self, confidence_logits: torch.Tensor | None, available: int) -> int:
         """How many of the `available` drafted tokens to verify."""
+        if self.max_drafts is not None:
+            available = min(available, self.max_drafts)
         if self.policy is None or confidence_logits is None or available == 0:
             return available
         conf = apply_sts(confidence_logits[:, :available].float(), self.temperatures)

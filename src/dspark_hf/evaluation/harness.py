@@ -1,0 +1,184 @@
+"""The evaluation harness: accepted length, acceptance per position, calibration and speed per task, in one run.
+
+Metrics (DeepSpec's definitions, plus speed):
+- `tau`: committed tokens per round, bonus included; `draft_tokens_per_proposal`: verified drafts per round;
+  `verify_rate`: committed / (verified drafts + rounds);
+- `accept_rate_at_k[k]`: rounds whose first k+1 drafts were all accepted / rounds that verified > k drafts
+  (cumulative); `conditional_acceptance[k]`: accept_rate_at_k[k] / accept_rate_at_k[k-1] (the paper's Fig. 2);
+- `tokens_per_s` of DSpark and of plain `generate()` on the same prompts in the same run, and their ratio;
+- `calibration`: per-position ECE / AUC / Brier of the (STS-calibrated, if the drafter has temperatures)
+  cumulative survival against the accepted prefixes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel
+
+from ..calibration import calibration_metrics
+from ..generation import DSparkStats
+from ..models import DSparkDraftModel
+from .prompts import encode_prompt
+
+
+@dataclass
+class TaskRun:
+    """Everything measured on one task, summed over its prompts."""
+
+    rounds: list[tuple[int, int, int]] = field(default_factory=list)  # (verified drafts, accepted, committed)
+    confidence: list[torch.Tensor] = field(default_factory=list)
+    dspark_seconds: float = 0.0
+    dspark_tokens: int = 0
+    plain_seconds: float = 0.0
+    plain_tokens: int = 0
+    identical: int = 0
+    prompts: int = 0
+
+    def add(self, stats: DSparkStats) -> None:
+        self.rounds += list(zip(stats.drafted, stats.accepted, stats.committed))
+        self.confidence += stats.confidence_logits
+
+    def summary(self, gamma: int, temperatures: list[float] | None) -> dict:
+        rounds = len(self.rounds)
+        drafted = sum(d for d, _, _ in self.rounds)
+        committed = sum(c for _, _, c in self.rounds)
+        accept = [_ratio(sum(a > k for d, a, _ in self.rounds if d > k), sum(d > k for d, _, _ in self.rounds))
+                  for k in range(gamma)]
+        conditional = [accept[0]] + [_ratio(accept[k], accept[k - 1]) for k in range(1, gamma)]
+        report = {
+            "prompts": self.prompts,
+            "rounds": rounds,
+            "tau": _ratio(committed, rounds),
+            "draft_tokens_per_proposal": _ratio(drafted, rounds),
+            "verify_rate": _ratio(committed, drafted + rounds),
+            "accept_rate_at_k": accept,
+            "conditional_acceptance": conditional,
+            "dspark_tokens_per_s": _ratio(self.dspark_tokens, self.dspark_seconds),
+        }
+        if self.plain_seconds:
+            report["plain_tokens_per_s"] = _ratio(self.plain_tokens, self.plain_seconds)
+            report["speedup"] = _ratio(report["dspark_tokens_per_s"], report["plain_tokens_per_s"])
+            report["identical_to_plain"] = f"{self.identical}/{self.prompts}"
+        report["calibration"] = self._calibration(gamma, temperatures)
+        return report
+
+    def _calibration(self, gamma: int, temperatures: list[float] | None) -> dict | None:
+        rows = [(conf, d, a) for conf, (d, a, _) in zip(self.confidence, self.rounds) if d > 0 and conf.numel()]
+        if not rows:
+            return None
+        logits = torch.zeros(len(rows), gamma)
+        accepted = torch.zeros(len(rows), gamma, dtype=torch.bool)
+        valid = torch.zeros(len(rows), gamma, dtype=torch.bool)
+        for i, (conf, drafted, kept) in enumerate(rows):
+            logits[i, :drafted] = conf[:drafted]
+            accepted[i, :kept] = True
+            valid[i, :drafted] = True
+        return calibration_metrics(logits, accepted, valid, temperatures=temperatures)
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    return None if numerator is None or not denominator else numerator / denominator
+
+
+def _timed_generate(target: PreTrainedModel, ids: torch.LongTensor, **kwargs) -> tuple[torch.LongTensor, float]:
+    if target.device.type == "cuda":
+        torch.cuda.synchronize(target.device)
+    started = time.perf_counter()
+    with torch.no_grad():
+        out = target.generate(ids, **kwargs)
+    if target.device.type == "cuda":
+        torch.cuda.synchronize(target.device)
+    return out, time.perf_counter() - started
+
+
+def evaluate_task(
+    target: PreTrainedModel,
+    drafter: DSparkDraftModel,
+    tokenizer,
+    prompts: list[str],
+    temperature: float = 1.0,
+    max_new_tokens: int = 256,
+    chat: bool = True,
+    seed: int = 980406,
+    baseline: bool = True,
+    progress: bool = True,
+    **dspark_arguments,
+) -> TaskRun:
+    """Decodes every prompt with DSpark (and, with `baseline`, plainly, same seed) and collects the statistics.
+
+    `dspark_arguments` go to `generate()` (`dspark_policy`, `dspark_threshold`, `dspark_gamma`, ...).
+    """
+    sampling = dict(do_sample=True, temperature=temperature) if temperature > 0 else dict(do_sample=False)
+    common = dict(max_new_tokens=max_new_tokens, **sampling)
+    run = TaskRun()
+    for index, prompt in enumerate(tqdm(prompts, desc="prompts", disable=not progress, leave=False)):
+        ids = encode_prompt(tokenizer, prompt, chat).to(target.device)
+        torch.manual_seed(seed + index)
+        out, seconds = _timed_generate(target, ids, assistant_model=drafter, **common, **dspark_arguments)
+        run.add(drafter.generation_stats)
+        run.dspark_seconds += seconds
+        run.dspark_tokens += out.shape[1] - ids.shape[1]
+        run.prompts += 1
+        if baseline:
+            torch.manual_seed(seed + index)
+            plain, seconds = _timed_generate(target, ids, **common)
+            run.plain_seconds += seconds
+            run.plain_tokens += plain.shape[1] - ids.shape[1]
+            run.identical += int(torch.equal(plain, out))
+    return run
+
+
+def run_evaluation(
+    target: PreTrainedModel,
+    tokenizer,
+    drafters: dict[str, DSparkDraftModel],
+    tasks: dict[str, list[str]],
+    temperatures: list[float] = (1.0,),
+    max_new_tokens: int = 256,
+    chat: bool = True,
+    seed: int = 980406,
+    baseline: bool = True,
+    threshold_sweep: list[float] = (),
+    gamma: int | None = None,
+    progress: bool = True,
+) -> dict:
+    """Every drafter on every task at every temperature (+ an optional static-threshold sweep per task).
+
+    Returns `{"results": {drafter: {"t<T>": {task: summary}}}, "tau": {drafter: {"t<T>": macro τ}},
+    "threshold_sweep": {drafter: {task: [{threshold, tau, acceptance_rate}]}}}`.
+    """
+    report = {"results": {}, "tau": {}, "threshold_sweep": {}}
+    bar = tqdm(total=len(drafters) * len(tasks) * (len(temperatures) + len(threshold_sweep)), desc="evaluation",
+               disable=not progress)
+    for name, drafter in drafters.items():
+        gamma_used = gamma or drafter.config.num_draft_slots
+        extra = {"dspark_gamma": gamma} if gamma else {}
+        for temperature in temperatures:
+            key = f"t{temperature:g}"
+            per_task = {}
+            for task, prompts in tasks.items():
+                run = evaluate_task(target, drafter, tokenizer, prompts, temperature, max_new_tokens, chat, seed,
+                                    baseline, progress, **extra)
+                per_task[task] = run.summary(gamma_used, drafter.config.sts_temperatures)
+                bar.update()
+            report["results"].setdefault(name, {})[key] = per_task
+            taus = [summary["tau"] for summary in per_task.values() if summary["tau"] is not None]
+            report["tau"].setdefault(name, {})[key] = sum(taus) / len(taus) if taus else None
+        for task, prompts in tasks.items():
+            for threshold in threshold_sweep:
+                run = evaluate_task(target, drafter, tokenizer, prompts, temperatures[0], max_new_tokens, chat, seed,
+                                    False, progress, dspark_policy="static_threshold", dspark_threshold=threshold,
+                                    **extra)
+                summary = run.summary(gamma_used, drafter.config.sts_temperatures)
+                drafted = sum(d for d, _, _ in run.rounds)
+                accepted = sum(a for _, a, _ in run.rounds)
+                report["threshold_sweep"].setdefault(name, {}).setdefault(task, []).append(
+                    {"threshold": threshold, "tau": summary["tau"], "acceptance_rate": _ratio(accepted, drafted),
+                     "draft_tokens_per_proposal": summary["draft_tokens_per_proposal"]})
+                bar.update()
+    bar.close()
+    return report
