@@ -121,3 +121,39 @@ def test_token_pieces_join_up():
     tokenizer = ByteTokenizer()
     ids = tokenizer("a(b)\n")["input_ids"] + [200]
     assert "".join(token_pieces(tokenizer, ids)) == tokenizer.decode(ids) == "a(b)\n⟨200⟩"
+
+
+FIXTURE = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "code-llama-50m"
+
+
+@pytest.mark.fixtures
+@pytest.mark.skipif(not (FIXTURE / "tokenizer.json").is_file(), reason="needs ../shared/fixtures (SmolLM2 tokenizer)")
+def test_build_demo_pair_script_smoke(tmp_path):
+    """scripts/build_demo_pair.py's train and check phases at toy size on real Python text (the GPU run is the same
+    code with real sizes); `prepare` is skipped: it scans every local wheel for the corpus."""
+    import inspect
+    import json
+    import lzma
+    import shutil
+    import textwrap
+
+    work, models = tmp_path / "work", tmp_path / "demo_models"
+    work.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(FIXTURE / name, work / name)
+    documents = [inspect.getsource(shutil), inspect.getsource(textwrap)]
+    with lzma.open(work / "corpus.txt.xz", "wt") as handle:
+        handle.write("\0".join(documents))
+    with lzma.open(work / "corpus.holdout.txt.xz", "wt") as handle:
+        handle.write(documents[1])
+    script = Path(__file__).resolve().parents[1] / "scripts" / "build_demo_pair.py"
+    env = {**os.environ, **OFFLINE, "OMP_NUM_THREADS": "1"}
+    for phase in (["train", "--work", str(work), "--out", str(models)], ["check", "--models", str(models)]):
+        result = subprocess.run([sys.executable, str(script), *phase, "--smoke"], env=env, capture_output=True,
+                                text=True, timeout=300)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert find_demo_models(models) == models
+    report = json.loads((models / "build_report.json").read_text())
+    assert report["target"]["size_mib"] < 32 and report["target"]["steps"] == 3
+    check = json.loads((models / "check.smoke.json").read_text())
+    assert check["runs"] and all(run["identical"] for run in check["runs"] if run["temperature"] == 0)
