@@ -257,8 +257,9 @@ def build_app() -> gr.Blocks:
             with gr.Column(scale=1):
                 temperature = gr.Slider(0.0, 1.5, value=0.0, step=0.05, label="temperature (0 = greedy)")
                 gamma = gr.Slider(1, 7, value=7, step=1, label="γ: most drafted tokens verified per round",
-                                  info="Capped by the drafter's block size (7 here); the drafter still drafts its "
-                                       "whole block in one forward. The policy may verify fewer.")
+                                  info="generate(dspark_gamma=γ). Capped by the drafter's block size (7 here); the "
+                                       "drafter still drafts its whole block in one forward. The policy may verify "
+                                       "fewer.")
                 policy = gr.Dropdown([(v, k) for k, v in POLICIES.items()], value="fixed", label="scheduler policy")
                 threshold = gr.Slider(0.0, 1.0, value=0.5, step=0.05, label="threshold (static threshold policy)")
                 max_new_tokens = gr.Slider(8, 256, value=int(os.environ.get("DSPARK_SPACE_MAX_NEW_TOKENS", 64)), step=8,

@@ -21,7 +21,7 @@ import shutil
 import sys
 import textwrap
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +29,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
+from .generation.policy import GENERATION_ARGUMENTS
 from .models import DSparkConfig, DSparkDraftModel
 
 DEMO_MODELS_ENV = "DSPARK_DEMO_MODELS"
@@ -142,7 +143,7 @@ def load_demo_pair(target: str | None = None, drafter: str | None = None, dtype:
 
 @contextmanager
 def limit_draft_length(drafter: DSparkDraftModel, gamma: int | None):
-    """Within the block, `drafter` proposes at most `gamma` tokens per round (its block is still drafted whole, so
+    """For a dspark_hf without the `dspark_gamma` generation argument (`generate_streamed` prefers it): within the block, `drafter` proposes at most `gamma` tokens per round (its block is still drafted whole, so
     the first `gamma` drafts are exactly the ones it would propose anyway; the policy may verify fewer)."""
     if gamma is None or gamma >= drafter.config.num_draft_slots:
         yield drafter
@@ -281,9 +282,15 @@ def generate_streamed(pair: DemoPair, input_ids: torch.LongTensor, use_drafter: 
     """One `generate()` call (plain, or DSpark when `use_drafter`) with a `RoundRecorder`; returns it and seconds."""
     recorder = RoundRecorder(pair.drafter if use_drafter else None, on_put=on_put)
     extra = {"assistant_model": pair.drafter} if use_drafter else {}
+    capped = use_drafter and gamma is not None and gamma < pair.drafter.config.num_draft_slots
+    limiter = nullcontext()
+    if capped and "dspark_gamma" in GENERATION_ARGUMENTS:
+        extra["dspark_gamma"] = int(gamma)  # the generation argument: verify at most γ drafts per round
+    elif capped:
+        limiter = limit_draft_length(pair.drafter, gamma)
     torch.manual_seed(seed)
     started = time.perf_counter()
-    with torch.no_grad(), limit_draft_length(pair.drafter, gamma if use_drafter else None):
+    with torch.no_grad(), limiter:
         target = pair.target
         target.generate(input_ids.to(target.device), streamer=recorder, **extra, **generate_kwargs)
     if target.device.type == "cuda":
