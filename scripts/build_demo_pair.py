@@ -3,7 +3,8 @@
 
 The target is a small Llama code model (d=192, 8 layers, 3 heads / 1 KV head, FFN 768, tied embeddings, SmolLM2
 tokenizer: ~13.9 M parameters, ~28 MB in fp16) trained from scratch on real Python; the drafter is its DSpark drafter
-(2 layers, Markov rank 32, confidence head, block 7; ~1 MB without the embedding/LM head it shares with the target)
+(2 layers, Markov rank 32, confidence head, block 7; ~8 MB in fp16, most of it the Markov head's vocab x rank
+tables; the embedding and LM head come from the target)
 trained with `dspark_hf.training`. Three phases:
 
     # 1. CPU machine (where the corpus's source wheels are): corpus + tokenizer into carry/demo_pair/ (~15 MB)
