@@ -276,8 +276,8 @@ def evaluate_phase(args) -> None:
     assistant = AutoModelForCausalLM.from_pretrained(assistant_dir, dtype=torch.float32).eval()
     prompts = holdout_prompts(tokenizer, args.holdout, args.prompts)
     results = {"tau": {}, "conditional_acceptance": {}, "rounds": {}}
-    drafters = {"dspark": os.path.join(ROOT, "drafters", "code50m-dspark"),
-                "dflash": os.path.join(ROOT, "drafters", "code50m-dflash")}
+    drafters = {"dspark": os.path.join(args.drafters, "code50m-dspark"),
+                "dflash": os.path.join(args.drafters, "code50m-dflash")}
     started = time.time()
     for temp in (0.0, 1.0):
         key = f"t{temp:g}"
@@ -380,7 +380,8 @@ def main() -> None:
     e.add_argument("--holdout", default=os.path.join(ROOT, "carry", "corpus.holdout.txt"))
     e.add_argument("--prompts", type=int, default=24)
     e.add_argument("--max-new-tokens", type=int, default=128)
-    e.add_argument("--threads", type=int, default=2)
+    e.add_argument("--threads", type=int, default=1)
+    e.add_argument("--drafters", default=os.path.join(ROOT, "drafters"), help="folder holding code50m-{dspark,dflash}")
     e.add_argument("--work", default="/tmp/eval_code50m")
     e.add_argument("--gpu-results", default=os.path.join(HERE, "results", "train_code50m.gpu.json"))
     args = parser.parse_args()
