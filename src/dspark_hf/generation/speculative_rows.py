@@ -220,9 +220,12 @@ class SpeculativeRows:
         return proposal.tokens, proposal.logits, proposal.confidence_logits
 
     def _verify_lengths(self, available: torch.LongTensor, confidence_logits: torch.Tensor | None) -> torch.LongTensor:
-        if self.policy is None or confidence_logits is None:
+        if self.policy is None:
             return available
-        conf = apply_sts(confidence_logits.float(), self.sts_temperatures)
+        if confidence_logits is None:  # a DFlash drafter: only a fixed length is possible (checked by the callers)
+            conf = torch.ones(available.shape[0], int(available.max()) if available.numel() else 0)
+        else:
+            conf = apply_sts(confidence_logits.float(), self.sts_temperatures)
         stale = self.confidence_history[0] if len(self.confidence_history) == 2 else None
         self.confidence_history = (self.confidence_history + [conf])[-2:]
         lengths = self.policy(conf, max_lengths=available.to(conf.device), conf_stale=stale)

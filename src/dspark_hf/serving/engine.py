@@ -1,0 +1,296 @@
+"""`DSparkEngine`: many requests on one target + DSpark drafter, continuous batching, per-request verify lengths.
+
+    engine = DSparkEngine(target, drafter, tokenizer=tok, policy="hardware_aware", sps_table=table)
+    handle = engine.add_request("Write a haiku", max_tokens=64, temperature=0.7)
+    for token in handle.stream(): ...            # tokens as they are accepted
+    engine.add_request([{"role": "user", "content": "hi"}], temperature=0)   # chat messages, greedy
+    outputs = engine.run()                       # drive until every request finished
+
+Each round (`step()`): cancelled requests leave, waiting requests join (one prefill forward for all of them), the
+drafter drafts for every running request in one forward, the policy picks each request's verify length, ONE
+target forward verifies every request's ragged proposal, and `dspark_hf.verify.verify` accepts (Triton on GPU).
+Requests are rows of a padded batch whose rejected slots are masked cache holes (see `generation/ragged.py` and
+docs/serving.md for the design and what is left to measure on the GPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel
+from transformers.generation.stopping_criteria import StopStringCriteria
+
+from ..generation.policy import resolve_policy
+from ..generation.speculative_rows import Row, SpeculativeRows, check_batchable_target, ragged_drafts, ragged_rows
+from ..generation.target_features import check_drafter_fits_target
+from ..models import DSparkDraftModel
+from ..scheduling import SchedulerPolicy, SPSTable, get_policy
+from ..verify import VerifyResult, verify
+from ..verify.reference import processed_scores
+from .requests import Request, RequestOutput, SamplingParams, prompt_token_ids
+
+
+class RequestSampler:
+    """Per-request temperature / top-k / top-p (verify's own processing) with the engine's random generator."""
+
+    def __init__(self, generator: torch.Generator):
+        self.generator = generator
+
+    @staticmethod
+    def _params(rows: list[Row], device):
+        params = [row.tag.params for row in rows]
+        sample = torch.tensor([not p.greedy for p in params], device=device)
+        temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
+        top_k = torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.long, device=device)
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+        return sample, temperature, top_k, top_p
+
+    def _choose(self, rows, logits):
+        sample, temperature, top_k, top_p = self._params(rows, logits.device)
+        tokens = logits.argmax(dim=-1)
+        processed = logits
+        if bool(sample.any()):
+            processed = logits.clone()
+            index = sample.nonzero().squeeze(1)
+            filtered = processed_scores(logits[index], temperature[index], top_k[index], top_p[index])
+            processed[index] = filtered
+            drawn = torch.multinomial(filtered.softmax(dim=-1), 1, generator=self.generator).squeeze(1)
+            tokens[index] = drawn
+        return tokens, processed
+
+    def select(self, rows, drafted, logits):
+        return self._choose(rows, logits)
+
+    def first_tokens(self, rows, logits):
+        return self._choose(rows, logits)[0]
+
+    def verify(self, rows, drafts, lengths, target_logits, draft_logits) -> VerifyResult:
+        device = target_logits.device
+        sample, temperature, top_k, top_p = self._params(rows, device)
+        probs = None
+        if bool(sample.any()):
+            probs = (ragged_drafts(draft_logits, lengths).softmax(dim=-1) if draft_logits is not None
+                     else target_logits.new_zeros(0, target_logits.shape[-1]))
+        seeds = torch.randint(-(2**62), 2**62, (len(rows),), generator=self.generator, device=self.generator.device)
+        return verify(ragged_drafts(drafts, lengths), lengths.to(device), ragged_rows(target_logits, lengths), probs,
+                      do_sample=sample, temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds.to(device))
+
+
+def _engine_policy(policy, drafter, threshold, sps_table, gamma) -> tuple[bool, SchedulerPolicy | None]:
+    """(speculate, policy) from the engine's arguments."""
+    if drafter is None or policy in ("none", "no_speculation"):
+        return False, None
+    if isinstance(policy, SchedulerPolicy):
+        return True, policy
+    if policy in ("fixed", "fixed_length"):
+        return True, get_policy("fixed", gamma=gamma) if gamma is not None else None
+    if gamma is not None:
+        raise ValueError("gamma applies to policy='fixed' only.")
+    if isinstance(sps_table, (str, Path)):
+        sps_table = SPSTable.load(sps_table)
+    config = type("Arguments", (), {"dspark_policy": policy, "dspark_threshold": threshold,
+                                    "dspark_sps_table": sps_table})()
+    return True, resolve_policy(config, drafter)
+
+
+class DSparkEngine:
+    """Serves many requests with DSpark speculative decoding (see the module docstring).
+
+    Args:
+        target: the causal LM (full attention on every layer).
+        drafter: a `DSparkDraftModel` for it, or None for plain batched decoding.
+        tokenizer: needed for text / chat prompts, stop strings and `RequestOutput.text`.
+        policy: verify-length policy: "fixed" (every drafted token, or `gamma` of them), "static_threshold"
+            (`threshold`), "hardware_aware" / "hardware_aware_async" (`sps_table`), a `SchedulerPolicy`, or "none"
+            (no speculation: the drafter is not run).
+        max_batch_size: requests decoded at once; the others wait (FIFO) and join between rounds.
+        max_model_len: context limit (default: the target's `max_position_embeddings`).
+        seed: seeds the engine's random generator (draft sampling and verification noise).
+        default_sampling: defaults for `add_request`'s sampling arguments (e.g. `{"temperature": 0}`).
+    """
+
+    def __init__(self, target: PreTrainedModel, drafter: DSparkDraftModel | None = None, tokenizer=None, *,
+                 policy: str | SchedulerPolicy = "fixed", gamma: int | None = None, threshold: float | None = None,
+                 sps_table: SPSTable | str | None = None, max_batch_size: int = 64, max_model_len: int | None = None,
+                 seed: int = 0, default_sampling: dict | None = None, compact_threshold: float = 0.5):
+        check_batchable_target(target)
+        if drafter is not None:
+            check_drafter_fits_target(drafter.config, target)
+            drafter.share_target_weights(target)
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}.")
+        self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
+        speculate, scheduler = _engine_policy(policy, drafter, threshold, sps_table, gamma)
+        text = target.config.get_text_config()
+        self.vocab_size = text.vocab_size
+        self.max_model_len = max_model_len or getattr(text, "max_position_embeddings", None)
+        self.max_batch_size = max_batch_size
+        self.default_sampling = SamplingParams.build({}, dict(default_sampling or {}))
+        self._default_max_given = bool({"max_tokens", "max_new_tokens"} & set(default_sampling or {}))
+        eos = target.generation_config.eos_token_id
+        self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        self.generator = torch.Generator(device=target.device).manual_seed(seed)
+        self.runner = SpeculativeRows(target, drafter if speculate else None, RequestSampler(self.generator),
+                                      scheduler, drafter.config.sts_temperatures if drafter is not None else None,
+                                      compact_threshold=compact_threshold)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.round_log: list[dict] = []  # per round: batch size, verify lengths, accepted, seconds
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._stop_criteria: dict[tuple[str, ...], StopStringCriteria] = {}
+        self._thread: threading.Thread | None = None
+        self._stop_event = threading.Event()
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt, *, request_id: str | None = None, on_token=None, **sampling) -> Request:
+        """Queues a request and returns its handle. `prompt`: text, chat messages or token ids. Sampling arguments:
+        temperature, top_k, top_p, do_sample, max_tokens (or max_new_tokens), stop, stop_token_ids, ignore_eos.
+        `on_token(request_id, tokens)` is called with each round's new tokens. A bad request raises ValueError
+        here and leaves every other request untouched."""
+        defaults = {k: getattr(self.default_sampling, k) for k in ("temperature", "top_k", "top_p", "do_sample",
+                                                                    "max_tokens", "stop", "stop_token_ids",
+                                                                    "ignore_eos")}
+        params = SamplingParams.build(defaults, sampling)
+        ids = prompt_token_ids(prompt, self.tokenizer, self.vocab_size)
+        if self.max_model_len is not None:
+            if len(ids) >= self.max_model_len:
+                raise ValueError(f"The prompt has {len(ids)} tokens; the context holds {self.max_model_len} "
+                                 "(max_model_len), so nothing can be generated. Shorten the prompt.")
+            asked = self._default_max_given or sampling.get("max_tokens") or sampling.get("max_new_tokens")
+            if not asked:  # the default budget: whatever the context leaves
+                params = dataclasses.replace(params, max_tokens=min(params.max_tokens, self.max_model_len - len(ids)))
+            if len(ids) + params.max_tokens > self.max_model_len:
+                raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
+                                 f"of {self.max_model_len} tokens (max_model_len); lower max_tokens.")
+        criteria = None
+        if params.stop:
+            if self.tokenizer is None:
+                raise ValueError("Stop strings need DSparkEngine(..., tokenizer=...).")
+            criteria = self._stop_criteria.get(params.stop)
+            if criteria is None:
+                criteria = self._stop_criteria[params.stop] = StopStringCriteria(self.tokenizer, list(params.stop))
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
+        with self._lock:
+            rid = str(request_id) if request_id is not None else f"req-{next(self._ids)}"
+            if rid in self.requests:
+                raise ValueError(f"request_id {rid!r} is already in use.")
+            request = Request(self, rid, ids, params, stop_ids, criteria, on_token)
+            self.requests[rid] = request
+            self.waiting.append(request)
+        return request
+
+    def cancel(self, request_id: str) -> None:
+        """Cancels a request: it stops at the next round boundary (its stream ends, finish_reason "cancelled")."""
+        with self._lock:
+            request = self.requests.get(request_id)
+            if request is None:
+                raise ValueError(f"Unknown request_id {request_id!r}.")
+            request.cancel_requested = True
+
+    def decode(self, tokens: list[int]) -> str | None:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else None
+
+    @property
+    def num_running(self) -> int:
+        return len(self.runner.rows)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting) or bool(self.runner.rows)
+
+    # ------------------------------------------------------------------ the loop
+    def _deliver(self, rows: list[Row], committed: list[list[int]]) -> list[Row]:
+        """Emits each row's new tokens up to its first stop; returns the rows that finished."""
+        done = []
+        for row, tokens in zip(rows, committed):
+            request: Request = row.tag
+            start = len(row.ids) - len(tokens)
+            emitted, reason = [], None
+            for index in range(start, len(row.ids)):
+                token = row.ids[index]
+                emitted.append(token)
+                if token in request.stop_ids:
+                    reason = "stop"
+                elif request.stop_criteria is not None and bool(
+                        request.stop_criteria(torch.tensor([row.ids[: index + 1]]), None).any()):
+                    reason = "stop"
+                elif index - row.prompt_len + 1 >= row.max_new:
+                    reason = "length"
+                if reason is not None:
+                    del row.ids[index + 1:]
+                    break
+            request._emit(emitted)
+            if reason is not None:
+                request._finish(reason)
+                done.append(row)
+        return done
+
+    def step(self) -> bool:
+        """One round: retire cancelled requests, admit waiting ones, draft + verify every running request.
+        Returns False when there was nothing to do."""
+        with self._lock:
+            cancelled = [row for row in self.runner.rows if row.tag.cancel_requested]
+            for request in [r for r in self.waiting if r.cancel_requested]:
+                self.waiting.remove(request)
+                request._finish("cancelled")
+            admitted = []
+            while self.waiting and len(self.runner.rows) - len(cancelled) + len(admitted) < self.max_batch_size:
+                admitted.append(self.waiting.popleft())
+        for row in cancelled:
+            row.tag._finish("cancelled")
+        self.runner.remove(cancelled)
+        if not admitted and not self.runner.rows:
+            return bool(cancelled)
+        started = time.perf_counter()
+        if admitted:
+            rows = []
+            for request in admitted:
+                request.row = Row(ids=list(request.prompt_ids), prompt_len=len(request.prompt_ids),
+                                  max_new=request.params.max_tokens, stop_ids=request.stop_ids, tag=request)
+                rows.append(request.row)
+            self.runner.remove(self._deliver(rows, self.runner.add(rows)))
+        if self.runner.rows:
+            rows = list(self.runner.rows)
+            committed = self.runner.step()
+            self.round_log.append(dict(batch=len(rows), verify=[row.drafted[-1] for row in rows],
+                                       accepted=[row.accepted[-1] for row in rows],
+                                       seconds=time.perf_counter() - started))
+            self.runner.remove(self._deliver(rows, committed))
+        return True
+
+    def run(self) -> dict[str, RequestOutput]:
+        """Steps until every request has finished; returns every request's output by id."""
+        while self.has_unfinished():
+            self.step()
+        return {rid: request.output() for rid, request in self.requests.items()}
+
+    # ------------------------------------------------------------------ background loop
+    @property
+    def running_in_background(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self, idle_sleep: float = 0.001) -> None:
+        """Runs `step()` in a background thread until `stop()`; `add_request` / `cancel` / `stream` stay usable."""
+        if self.running_in_background:
+            return
+        self._stop_event.clear()
+
+        def loop():
+            while not self._stop_event.is_set():
+                if not self.step():
+                    time.sleep(idle_sleep)
+
+        self._thread = threading.Thread(target=loop, name="DSparkEngine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None

@@ -1,0 +1,233 @@
+"""`DSparkEngine`: continuous batching with random arrivals and cancellations, per-request verify lengths, streaming,
+clear refusals of bad requests, text / chat / stop-string prompts, a background loop, and per-request sampling."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from test_generation_sampling import ALPHA, NEW_TOKENS, VOCAB, chi_square_p_value, oracle_drafter
+from tiny_models import install_bigram_oracle, make_bigram_like, tiny_drafter, tiny_target
+from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
+from tokenizers.models import WordLevel
+from transformers import LogitsProcessorList, PreTrainedTokenizerFast, TemperatureLogitsWarper
+
+import dspark_hf  # noqa: F401
+from dspark_hf.scheduling import SPSTable
+from dspark_hf.serving import DSparkEngine
+
+VOCAB_SIZE = 48
+EOS = 2
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def models(request):
+    target = make_bigram_like(tiny_target(request.param, vocab_size=VOCAB_SIZE, eos_token_id=EOS))
+    drafter = install_bigram_oracle(tiny_drafter(target, block_size=7, markov_rank=VOCAB_SIZE), target)
+    return target, drafter
+
+
+_SOLO: dict = {}
+
+
+def solo(target, prompt: list[int], max_tokens: int) -> list[int]:
+    key = (id(target), tuple(prompt), max_tokens)
+    if key not in _SOLO:
+        out = target.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False)
+        _SOLO[key] = out[0, len(prompt):].tolist()
+    return _SOLO[key]
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    """One character per token: 'A' = 0, 'B' = 1, 'C' = 2 (eos), ... (48 tokens)."""
+    vocab = {chr(ord("A") + i): i for i in range(VOCAB_SIZE)}
+    backend = Tokenizer(WordLevel(vocab, unk_token="A"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="C", pad_token="A")
+    tokenizer.chat_template = ("{% for m in messages %}D{{ m['content'] }}E{% endfor %}"
+                               "{% if add_generation_prompt %}F{% endif %}")
+    return tokenizer
+
+
+BAD_REQUESTS = [
+    (dict(prompt=[]), "empty"),
+    (dict(prompt=[5, 6], max_tokens=0), "max_tokens"),
+    (dict(prompt=[5, 6], max_tokens=-3), "max_tokens"),
+    (dict(prompt=[5, 6], repetition_penalty=1.2), "Unknown sampling argument"),
+    (dict(prompt=list(range(4, 44)) * 2), "context"),
+    (dict(prompt=[5, 6], max_tokens=70), "exceeds the context"),
+    (dict(prompt=[5, 99]), "outside the target's vocabulary"),
+    (dict(prompt="hello"), "tokenizer"),
+    (dict(prompt=[5, 6], top_p=0.0), "top_p"),
+    (dict(prompt=[5, 6], temperature=-1.0), "temperature"),
+]
+
+
+def test_random_arrivals_and_cancellations(models):
+    """36 requests arrive at random rounds (some sampling), some are cancelled, bad ones are refused in between."""
+    target, drafter = models
+    engine = DSparkEngine(target, drafter, max_batch_size=6, max_model_len=64, default_sampling={"temperature": 0})
+    rng = random.Random(1234)
+    streamed: dict[str, list[int]] = {}
+    on_token = lambda rid, tokens: streamed.setdefault(rid, []).extend(tokens)
+    handles, cancelled_at, refused = [], {}, 0
+    pending = 36
+    while pending or engine.has_unfinished():
+        for _ in range(min(pending, rng.choice([0, 0, 1, 2, 3]))):
+            prompt = [rng.randrange(4, VOCAB_SIZE) for _ in range(rng.randint(1, 11))]
+            sampling = dict(max_tokens=rng.randint(1, 30))
+            if rng.random() < 0.2:
+                sampling.update(temperature=1.0, top_k=rng.choice([0, 5]))
+            handles.append(engine.add_request(prompt, on_token=on_token, **sampling))
+            pending -= 1
+        if rng.random() < 0.15:
+            kwargs, message = rng.choice(BAD_REQUESTS)
+            with pytest.raises(ValueError, match=message):
+                engine.add_request(**kwargs)
+            refused += 1
+        live = [h for h in handles if not h.finished and h.request_id not in cancelled_at]
+        if live and rng.random() < 0.12:
+            victim = rng.choice(live)
+            victim.cancel()
+            cancelled_at[victim.request_id] = len(victim.tokens)
+        engine.step()
+        assert engine.num_running <= 6
+
+    assert len(handles) == 36 and refused > 0 and len(engine.requests) == 36
+    greedy_checked = cancelled = 0
+    for handle in handles:
+        out = handle.output()
+        assert out.finish_reason in ("stop", "length", "cancelled")
+        assert streamed.get(handle.request_id, []) == out.token_ids  # callback stream == final tokens
+        assert list(handle.stream()) == out.token_ids  # iterator stream == final tokens, ends exactly once
+        if handle.request_id in cancelled_at and out.finish_reason == "cancelled":
+            cancelled += 1
+            assert len(out.token_ids) == cancelled_at[handle.request_id]  # nothing after the cancel
+            if handle.params.greedy:
+                assert out.token_ids == solo(target, handle.prompt_ids, handle.params.max_tokens)[: len(out.token_ids)]
+            continue
+        assert 1 <= len(out.token_ids) <= handle.params.max_tokens
+        assert (out.finish_reason == "stop") == (out.token_ids[-1] == EOS)
+        if handle.params.greedy:
+            assert out.token_ids == solo(target, handle.prompt_ids, handle.params.max_tokens)
+            greedy_checked += 1
+    assert cancelled > 0 and greedy_checked >= 20
+    lengths = {n for entry in engine.round_log for n in entry["accepted"]}
+    assert len(lengths) > 2  # requests accepted different lengths
+    assert any(len(set(entry["accepted"])) > 1 for entry in engine.round_log)  # ... within one round
+
+
+@pytest.mark.parametrize("policy,kwargs", [
+    ("none", {}),
+    ("fixed", dict(gamma=3)),
+    ("static_threshold", dict(threshold=0.3)),
+    ("hardware_aware", dict(sps_table=SPSTable([1, 4, 16, 64], [1.0, 0.9, 0.6, 0.2]))),
+    ("hardware_aware_async", dict(sps_table=SPSTable([1, 4, 16, 64], [1.0, 0.9, 0.6, 0.2]))),
+])
+def test_policies_give_per_request_verify_lengths_and_stay_exact(models, policy, kwargs):
+    target, drafter = models
+    engine = DSparkEngine(target, drafter, policy=policy, max_batch_size=8, default_sampling={"temperature": 0},
+                          **kwargs)
+    rng = random.Random(7)
+    handles = [engine.add_request([rng.randrange(4, VOCAB_SIZE) for _ in range(rng.randint(1, 11))],
+                                  max_tokens=rng.randint(5, 25)) for _ in range(10)]
+    engine.run()
+    for handle in handles:
+        assert handle.tokens == solo(target, handle.prompt_ids, handle.params.max_tokens)
+    verified = [n for entry in engine.round_log for n in entry["verify"]]
+    if policy == "none":
+        assert set(verified) == {0}
+    elif policy == "fixed":
+        assert max(verified) == 3
+    else:
+        assert len(set(verified)) > 2
+
+
+def test_bad_requests_are_refused_without_disturbing_others(models):
+    target, drafter = models
+    engine = DSparkEngine(target, drafter, max_model_len=64, default_sampling={"temperature": 0})
+    good = engine.add_request([5, 9, 11], max_tokens=20)
+    engine.step()
+    for kwargs, message in BAD_REQUESTS:
+        with pytest.raises(ValueError, match=message):
+            engine.add_request(**kwargs)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request([4], request_id=good.request_id)
+    with pytest.raises(ValueError, match="Unknown request_id"):
+        engine.cancel("nope")
+    assert len(engine.requests) == 1
+    assert good.result().token_ids == solo(target, [5, 9, 11], 20)
+
+
+def test_text_chat_and_stop_strings_stream_exact_tokens(models):
+    target, drafter = models
+    tokenizer = char_tokenizer()
+    engine = DSparkEngine(target, drafter, tokenizer=tokenizer, default_sampling={"temperature": 0})
+    text = engine.add_request("GHIJ", max_tokens=25)
+    chat = engine.add_request([{"role": "user", "content": "KLM"}], max_tokens=25)
+    assert chat.prompt_ids == tokenizer.apply_chat_template([{"role": "user", "content": "KLM"}],
+                                                            add_generation_prompt=True, tokenize=True)["input_ids"]
+    streamed = list(text.stream())  # drives the engine
+    assert streamed == solo(target, text.prompt_ids, 25) == text.tokens
+    assert text.output().text == tokenizer.decode(streamed, skip_special_tokens=True)
+    assert chat.result().token_ids == solo(target, chat.prompt_ids, 25)
+    # stop strings: the request ends at the token completing the string (kept), exactly as the solo output cut there
+    reference = solo(target, text.prompt_ids, 25)
+    chars = "GHIJ" + "".join(tokenizer.convert_ids_to_tokens(reference))
+    stop = chars[7:9]  # two generated characters
+    stopped = engine.add_request("GHIJ", max_tokens=25, stop=[stop])
+    tokens = list(stopped.stream())
+    end = next(i for i in range(len(reference)) if chars[: 4 + i + 1].endswith(stop))
+    assert tokens == reference[: end + 1] and stopped.output().finish_reason == "stop"
+
+
+def test_background_loop_and_cancel_while_streaming(models):
+    target, drafter = models
+    engine = DSparkEngine(target, drafter, max_batch_size=4, default_sampling={"temperature": 0})
+    engine.start()
+    try:
+        handles = [engine.add_request([4 + i, 7, 9], max_tokens=30, ignore_eos=True) for i in range(6)]
+        long_one = engine.add_request([6, 6, 6], max_tokens=60, ignore_eos=True)
+        received = []
+        for token in long_one.stream():
+            received.append(token)
+            if len(received) >= 3:
+                long_one.cancel()
+        results = [h.result() for h in handles]
+    finally:
+        engine.stop()
+    assert long_one.output().finish_reason == "cancelled" and received == long_one.tokens
+    assert 3 <= len(received) < 60
+    for handle, result in zip(handles, results):
+        assert result.finish_reason == "length" and len(result.token_ids) == 30
+
+
+def test_engine_sampling_matches_target_distribution():
+    """1500 requests per prompt through the engine (temperature 0.8); one chi-square test per prompt at ALPHA = 1e-3
+    (a correct sampler fails a given seed with probability <= 0.2 % over the two prompts)."""
+    target = make_bigram_like(tiny_target("qwen3", vocab_size=VOCAB, eos_token_id=None), damping=0.3)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(6.0)
+    drafter = oracle_drafter(target, scale=3.0)
+    engine = DSparkEngine(target, drafter, max_batch_size=1024, seed=99, policy="static_threshold", threshold=0.5)
+    prompts, copies = [[4, 1, 5], [3, 3]], 1500
+    handles = [engine.add_request(p, temperature=0.8, max_tokens=NEW_TOKENS) for p in prompts for _ in range(copies)]
+    engine.run()
+    processors = LogitsProcessorList([TemperatureLogitsWarper(0.8)])
+    for index, prompt in enumerate(prompts):
+        counts, probs = {}, {(): 1.0}
+        for handle in handles[index * copies:(index + 1) * copies]:
+            counts[tuple(handle.tokens)] = counts.get(tuple(handle.tokens), 0) + 1
+        for _ in range(NEW_TOKENS):
+            grown = {}
+            for prefix, mass in probs.items():
+                ids = torch.tensor([prompt + list(prefix)])
+                with torch.no_grad():
+                    step = processors(ids, target(ids).logits[:, -1].float()).softmax(-1)[0]
+                grown.update({prefix + (t,): mass * float(step[t]) for t in range(VOCAB)})
+            probs = grown
+        assert chi_square_p_value(counts, probs, copies) > ALPHA
+    accepted = [n for entry in engine.round_log for n in entry["accepted"]]
+    assert 0 < sum(accepted) < len(accepted) * 2  # some drafts accepted, some rejected
