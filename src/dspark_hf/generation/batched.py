@@ -14,7 +14,18 @@ and no padding-sensitive processor, each row equals its solo `generate()`.
 from __future__ import annotations
 
 import torch
-from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
+from transformers import (
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    GenerationConfig,
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    PreTrainedModel,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
@@ -26,30 +37,49 @@ from .speculative_rows import Row, SpeculativeRows, ragged_drafts, ragged_rows
 from .target_features import check_drafter_fits_target
 
 
-class ProcessorSampler:
-    """Token choice with a transformers `LogitsProcessorList` (greedy argmax or multinomial sampling)."""
+# Processors that act on each row's scores alone (input ids unused): one call over any subset of rows.
+ROW_WISE_PROCESSORS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper,
+                       TypicalLogitsWarper, EpsilonLogitsWarper, EtaLogitsWarper)
 
-    def __init__(self, processors: LogitsProcessorList, do_sample: bool, padded_prompts: dict[int, list[int]]):
+
+class ProcessorSampler:
+    """Token choice with a transformers `LogitsProcessorList` (greedy argmax or multinomial sampling).
+
+    Processors may keep per-row state for the batch generate() prepared (e.g. transformers 5.2x's repetition penalty
+    skips each row's left padding by row index), so they are always called with the full original batch, row b at
+    index b; rows of equal length share a call, the other rows are filler whose outputs are discarded."""
+
+    def __init__(self, processors: LogitsProcessorList, do_sample: bool, padded_prompts: list[list[int]],
+                 filler_id: int = 0):
         self.processors = processors
         self.do_sample = do_sample
-        self.padded_prompts = padded_prompts  # id(row) -> its prompt as plain batched generate() pads it
+        self.padded_prompts = padded_prompts  # row.tag -> its prompt as plain batched generate() pads it
+        self.filler_id = filler_id
+        self.row_wise = all(isinstance(p, ROW_WISE_PROCESSORS) for p in processors)
 
     def _ids(self, row: Row, extra: list[int]) -> list[int]:
-        return self.padded_prompts.get(id(row), row.ids[: row.prompt_len]) + row.generated + extra
+        return self.padded_prompts[row.tag] + row.generated + extra
 
     def process(self, rows: list[Row], extras: list[list[int]], scores: torch.Tensor) -> torch.Tensor:
-        """`processors(ids, scores)` with each row's own ids; rows of equal length share one call."""
-        if len(self.processors) == 0:
+        """`processors(ids, scores)` with each row's own ids, as plain batched generate() calls them."""
+        if len(self.processors) == 0 or not rows:
             return scores
+        if self.row_wise:
+            return self.processors(torch.zeros(len(rows), 1, dtype=torch.long, device=scores.device), scores.clone())
         sequences = [self._ids(row, extra) for row, extra in zip(rows, extras)]
         out = torch.empty_like(scores)
         groups: dict[int, list[int]] = {}
         for i, sequence in enumerate(sequences):
             groups.setdefault(len(sequence), []).append(i)
-        for members in groups.values():
-            ids = torch.tensor([sequences[i] for i in members], dtype=torch.long, device=scores.device)
+        batch = len(self.padded_prompts)
+        for length, members in groups.items():
+            ids = torch.full((batch, length), self.filler_id, dtype=torch.long)
+            full_scores = scores.new_zeros(batch, scores.shape[-1])
+            slots = torch.tensor([rows[i].tag for i in members])
+            ids[slots] = torch.tensor([sequences[i] for i in members], dtype=torch.long)
             index = torch.tensor(members, device=scores.device)
-            out[index] = self.processors(ids, scores[index].clone())
+            full_scores[slots.to(scores.device)] = scores[index]
+            out[index] = self.processors(ids.to(scores.device), full_scores)[slots.to(scores.device)]
         return out
 
     def _choose(self, processed: torch.Tensor) -> torch.LongTensor:
@@ -157,18 +187,16 @@ def batched_generate(
     pad_id = int(pad.reshape(-1)[0]) if pad is not None else (min(stop_ids) if stop_ids else 0)
     max_new = generation_config.max_length - width
 
-    rows, padded = [], {}
-    prompts = input_ids.tolist()
+    rows = []
+    padded = input_ids.tolist()
     for b in range(batch):
         own = input_ids[b][attention_mask[b]].tolist()
         if not own:
             raise ValueError(f"Row {b} of the batch has an empty prompt (its attention_mask is all zeros).")
-        row = Row(ids=own, prompt_len=len(own), max_new=max_new, stop_ids=stop_ids, tag=b)
-        padded[id(row)] = prompts[b]
-        rows.append(row)
-    sampler = ProcessorSampler(logits_processor, bool(generation_config.do_sample), padded)
+        rows.append(Row(ids=own, prompt_len=len(own), max_new=max_new, stop_ids=stop_ids, tag=b))
+    sampler = ProcessorSampler(logits_processor, bool(generation_config.do_sample), padded, filler_id=pad_id)
     criteria = _custom_criteria(stopping_criteria)
-    ids_of = lambda row, end: torch.tensor([padded[id(row)] + row.ids[row.prompt_len:end]], device=input_ids.device)
+    ids_of = lambda row, end: torch.tensor([padded[row.tag] + row.ids[row.prompt_len:end]], device=input_ids.device)
 
     runner = SpeculativeRows(target, drafter, sampler, policy, drafter.config.sts_temperatures)
     final: dict[int, list[int]] = {}

@@ -82,6 +82,11 @@ def check_batchable_target(target: PreTrainedModel) -> None:
     elif getattr(text, "sliding_window", None) is not None:
         raise ValueError(f"Batched DSpark decoding supports full-attention targets; {type(target).__name__} uses a "
                          "sliding window. Call generate() per prompt (batch size 1) for this model.")
+    implementation = str(getattr(target.config, "_attn_implementation", "") or "")
+    if implementation.startswith("flash"):
+        raise ValueError(f"Batched DSpark decoding masks per-row cache holes, which attn_implementation="
+                         f"{implementation!r} (unpadded varlen attention) does not support; load the target with "
+                         "attn_implementation='sdpa' (or 'eager'/'flex_attention').")
     if getattr(target.config, "is_encoder_decoder", False):
         raise ValueError("Batched DSpark decoding supports decoder-only targets.")
 

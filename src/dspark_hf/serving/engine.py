@@ -88,12 +88,13 @@ def _engine_policy(policy, drafter, threshold, sps_table, gamma) -> tuple[bool, 
         return False, None
     if isinstance(policy, SchedulerPolicy):
         return True, policy
-    if policy in ("fixed", "fixed_length"):
+    if policy in ("fixed", "fixed_length") or (policy is None and gamma is not None):
         return True, get_policy("fixed", gamma=gamma) if gamma is not None else None
     if gamma is not None:
         raise ValueError("gamma applies to policy='fixed' only.")
     if isinstance(sps_table, (str, Path)):
         sps_table = SPSTable.load(sps_table)
+    # policy=None (and no threshold/table): resolve_policy falls back to the drafter's generation_config defaults
     config = type("Arguments", (), {"dspark_policy": policy, "dspark_threshold": threshold,
                                     "dspark_sps_table": sps_table})()
     return True, resolve_policy(config, drafter)
@@ -107,8 +108,9 @@ class DSparkEngine:
         drafter: a `DSparkDraftModel` for it, or None for plain batched decoding.
         tokenizer: needed for text / chat prompts, stop strings and `RequestOutput.text`.
         policy: verify-length policy: "fixed" (every drafted token, or `gamma` of them), "static_threshold"
-            (`threshold`), "hardware_aware" / "hardware_aware_async" (`sps_table`), a `SchedulerPolicy`, or "none"
-            (no speculation: the drafter is not run).
+            (`threshold`), "hardware_aware" / "hardware_aware_async" (`sps_table`), a `SchedulerPolicy`, "none"
+            (no speculation: the drafter is not run), or None: the drafter's `generation_config` defaults
+            (`dspark_policy`, `dspark_threshold`, `dspark_sps_table`; "fixed" when it has none), as in generate().
         max_batch_size: requests decoded at once; the others wait (FIFO) and join between rounds.
         max_model_len: context limit (default: the target's `max_position_embeddings`).
         seed: seeds the engine's random generator (draft sampling and verification noise).
@@ -116,7 +118,7 @@ class DSparkEngine:
     """
 
     def __init__(self, target: PreTrainedModel, drafter: DSparkDraftModel | None = None, tokenizer=None, *,
-                 policy: str | SchedulerPolicy = "fixed", gamma: int | None = None, threshold: float | None = None,
+                 policy: str | SchedulerPolicy | None = None, gamma: int | None = None, threshold: float | None = None,
                  sps_table: SPSTable | str | None = None, max_batch_size: int = 64, max_model_len: int | None = None,
                  seed: int = 0, default_sampling: dict | None = None, compact_threshold: float = 0.5):
         check_batchable_target(target)
