@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from scipy.stats import chisquare  # noqa: F401  (the helper below uses it)
 from test_generation_sampling import ALPHA, NEW_TOKENS, VOCAB, chi_square_p_value, oracle_drafter
 from tiny_models import install_bigram_oracle, make_bigram_like, tiny_drafter, tiny_target
 from transformers import LogitsProcessorList, StoppingCriteria, TemperatureLogitsWarper, TopPLogitsWarper
