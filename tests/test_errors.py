@@ -63,13 +63,6 @@ def test_generation_modes_dspark_cannot_serve(counted_target, kwargs, message):
     assert calls == []
 
 
-def test_batch_above_one_is_refused_for_now(counted_target):
-    target, calls = counted_target
-    with pytest.raises(ValueError, match="one prompt at a time"):
-        target.generate(IDS.repeat(2, 1), max_new_tokens=5, assistant_model=tiny_drafter(target))
-    assert calls == []
-
-
 def test_missing_and_unexpected_weights(tmp_path):
     state = deepspec_state_dict(True)
     del state["layers.1.mlp.up_proj.weight"]
