@@ -11,7 +11,7 @@ private `GenerationMixin` methods, and only changes their behaviour when the ass
   config, masks, processors and stopping criteria): for batch size > 1 it runs `batched.batched_generate`, our
   own loop with per-row verify lengths (transformers' loop is batch-1 only); batch size 1 goes on to the original.
 
-`install()` runs on `import dspark_hf`. It checks the transformers version and the two methods' signatures and
+`install()` runs on `import dspark_hf`. It checks the transformers version and the three methods' signatures and
 refuses to patch a transformers it does not recognise, recording why in `DSparkDraftModel.hook_unavailable_reason`;
 DSpark generation then raises that reason.
 """
