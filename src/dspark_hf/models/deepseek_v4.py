@@ -184,11 +184,7 @@ class DeepseekV4DSparkDraftModel(DSparkDraftModel):
         **kwargs,
     ) -> BaseModelOutputWithPast:
         """Same contract as `DSparkDraftModel.forward`; returns `norm(hc_head(streams))` [B, Q, H]."""
-        if self.weights_from_target:
-            raise ValueError(
-                f"This drafter's {sorted(self.weights_from_target)} come from its target: call "
-                "`drafter.share_target_weights(target)` first (generate() does it for you)."
-            )
+        self.require_target_weights()
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         hidden_states = inputs_embeds.to(self.fc.weight.dtype)

@@ -12,13 +12,10 @@ The final logit softcap (`final_logit_softcapping`, 30) is applied in `compute_l
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 from transformers import initialization as init
 from transformers.cache_utils import Cache
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.gemma4.configuration_gemma4 import Gemma4TextConfig
 from transformers.models.gemma4.modeling_gemma4 import (
     Gemma4RMSNorm,
@@ -27,13 +24,12 @@ from transformers.models.gemma4.modeling_gemma4 import (
     Gemma4TextRotaryEmbedding,
     Gemma4TextScaledWordEmbedding,
     apply_rotary_pos_emb,
-    eager_attention_forward,
 )
 
 from .configuration import DSparkConfig
 from .modeling import BACKBONE_MODELS, DSparkDraftModel
+from .qwen3 import RotaryPair, attend_with_injected_context
 
-RotaryPair = tuple[torch.Tensor, torch.Tensor]
 
 
 def gemma4_text_config(config: DSparkConfig) -> Gemma4TextConfig:
@@ -84,24 +80,13 @@ class DSparkGemma4Attention(Gemma4TextAttention):
         input_shape = hidden_states.shape[:-1]
         query = self.q_norm(self.q_proj(hidden_states).view(*input_shape, -1, self.head_dim))
         query = apply_rotary_pos_emb(query, *position_embeddings, unsqueeze_dim=2).transpose(1, 2)
-        context_keys, context_values = self._keys_values(context, context_rotary)
-        if past_key_values is not None:
-            context_keys, context_values = past_key_values.update(context_keys, context_values, self.layer_idx)
-        block_keys, block_values = self._keys_values(hidden_states, position_embeddings)
-        keys = torch.cat([context_keys, block_keys], dim=2)
-        values = torch.cat([context_values, block_values], dim=2)
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
-        output, _ = attention_interface(
+        output = attend_with_injected_context(
             self,
             query,
-            keys,
-            values,
+            self._keys_values(context, context_rotary),
+            self._keys_values(hidden_states, position_embeddings),
             attention_mask,
-            dropout=self.attention_dropout if self.training else 0.0,
-            scaling=self.scaling,
-            is_causal=False,
+            past_key_values,
         )
         return self.o_proj(output.reshape(*input_shape, -1).contiguous()), None
 

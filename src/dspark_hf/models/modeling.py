@@ -201,6 +201,14 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         self.shared_with_target.update(shared)
         return shared
 
+    def require_target_weights(self) -> None:
+        """Raises unless the weights this checkpoint left to the target have been shared from it."""
+        if self.weights_from_target:
+            raise ValueError(
+                f"This drafter's {sorted(self.weights_from_target)} come from its target: call "
+                "`drafter.share_target_weights(target)` first (generate() does it for you)."
+            )
+
     def save_pretrained(self, save_directory, *args, include_target_weights: bool | None = None, **kwargs) -> None:
         """`PreTrainedModel.save_pretrained`, safetensors only.
 
@@ -256,11 +264,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         used for training-time block masks; inference attends to everything. Returns the final-normed block hidden
         states [B, Q, H].
         """
-        if self.weights_from_target:
-            raise ValueError(
-                f"This drafter's {sorted(self.weights_from_target)} come from its target: call "
-                "`drafter.share_target_weights(target)` first (generate() does it for you)."
-            )
+        self.require_target_weights()
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
         hidden_states = inputs_embeds.to(self.fc.weight.dtype)

@@ -26,6 +26,38 @@ from .configuration import DSparkConfig
 RotaryPair = tuple[torch.Tensor, torch.Tensor]
 
 
+def attend_with_injected_context(
+    module: nn.Module,
+    query: torch.Tensor,
+    context_kv: tuple[torch.Tensor, torch.Tensor],
+    block_kv: tuple[torch.Tensor, torch.Tensor],
+    attention_mask: torch.Tensor | None,
+    past_key_values: Cache | None,
+) -> torch.Tensor:
+    """The KV-injection core shared by the backbones: append the new context K/V to the cache (context only), attend
+    from the block queries [B, heads, Q, hd] to all cached context plus the whole block, non-causally. Returns the
+    attention output [B, Q, heads, hd]."""
+    context_keys, context_values = context_kv
+    if past_key_values is not None:
+        context_keys, context_values = past_key_values.update(context_keys, context_values, module.layer_idx)
+    keys = torch.cat([context_keys, block_kv[0]], dim=2)
+    values = torch.cat([context_values, block_kv[1]], dim=2)
+    attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+        module.config._attn_implementation, eager_attention_forward
+    )
+    output, _ = attention_interface(
+        module,
+        query,
+        keys,
+        values,
+        attention_mask,
+        dropout=module.attention_dropout if module.training else 0.0,
+        scaling=module.scaling,
+        is_causal=False,
+    )
+    return output
+
+
 def _rotate(states: torch.Tensor, rotary: RotaryPair) -> torch.Tensor:
     """Applies RoPE to [B, heads, T, hd] states (`apply_rotary_pos_emb` rotates q and k; we use one side)."""
     cos, sin = rotary
@@ -80,25 +112,13 @@ class DSparkAttention(nn.Module):
         query = self.q_proj(hidden_states).view(*input_shape, self.config.num_attention_heads, self.head_dim)
         query = self.q_norm(query).transpose(1, 2)
         query = _rotate(query, rotary)
-        context_keys, context_values = self._keys_values(context, context_rotary)
-        if past_key_values is not None:
-            context_keys, context_values = past_key_values.update(context_keys, context_values, self.layer_idx)
-        block_keys, block_values = self._keys_values(hidden_states, rotary)
-        keys = torch.cat([context_keys, block_keys], dim=2)
-        values = torch.cat([context_values, block_values], dim=2)
-
-        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
-        output, _ = attention_interface(
+        output = attend_with_injected_context(
             self,
             query,
-            keys,
-            values,
+            self._keys_values(context, context_rotary),
+            self._keys_values(hidden_states, rotary),
             attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout,
-            scaling=self.scaling,
-            is_causal=False,
+            past_key_values,
         )
         return self.o_proj(output.reshape(*input_shape, -1).contiguous())
 
