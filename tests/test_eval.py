@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from test_cli import saved_pair  # noqa: F401  (fixture)
 
 from dspark_hf.cli import main
@@ -57,3 +58,28 @@ def test_eval_command_writes_results_and_plots(saved_pair, data_dir, tmp_path): 
     sweep = report["threshold_sweep"]["dspark"]["gsm8k"]
     assert sweep[0]["draft_tokens_per_proposal"] >= sweep[1]["draft_tokens_per_proposal"]  # a higher bar verifies less
     assert {p.name for p in out.iterdir()} >= {"tau_per_task.png", "conditional_acceptance.png", "threshold_sweep.png"}
+
+
+def test_round_recorder_matches_dspark_stats_and_reads_classic_assistants():
+    from tiny_models import install_bigram_oracle, make_bigram_like, tiny_drafter, tiny_target
+
+    from dspark_hf.evaluation.harness import RoundRecorder
+
+    target = make_bigram_like(tiny_target("qwen3", vocab_size=48, eos_token_id=2))
+    drafter = install_bigram_oracle(tiny_drafter(target, block_size=5, markov_rank=48), target)
+    ids = torch.tensor([[5, 9, 11, 4]])
+    with RoundRecorder(target) as recorder:
+        out = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=drafter)
+    stats = drafter.generation_stats
+    rounds = recorder.rounds(ids.shape[1], out.shape[1])
+    assert rounds[0] == (0, 0, 1)  # the prefill round: no drafts, the first token
+    assert rounds[1:] == list(zip(stats.drafted, stats.accepted, stats.committed))
+
+    assistant = tiny_target("llama", vocab_size=48, eos_token_id=2, seed=3)  # a classic independent draft model
+    assistant.generation_config.num_assistant_tokens = 4
+    assistant.generation_config.num_assistant_tokens_schedule = "constant"
+    with RoundRecorder(target) as recorder:
+        out = target.generate(ids, max_new_tokens=30, do_sample=False, assistant_model=assistant)
+    rounds = recorder.rounds(ids.shape[1], out.shape[1])
+    assert sum(c for _, _, c in rounds) == out.shape[1] - ids.shape[1]
+    assert all(0 <= a <= d <= 4 and c == a + 1 for d, a, c in rounds[:-1])

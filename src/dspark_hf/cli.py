@@ -72,6 +72,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
+    from transformers import AutoModelForCausalLM
+
     from . import DSparkDraftModel
     from .evaluation import load_task, plot_report, run_evaluation
 
@@ -80,6 +82,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     for spec in args.compare or []:
         name, _, path = spec.partition("=")
         drafters[name] = DSparkDraftModel.from_pretrained(path, dtype=DTYPES[args.dtype]).to(args.device).eval()
+    for spec in args.assistant or []:
+        name, _, path = spec.partition("=")
+        drafters[name] = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[args.dtype]).to(args.device).eval()
     tasks = {name: load_task(name, args.data_dir, args.num_samples, args.seed) for name in args.tasks.split(",")}
     report = run_evaluation(
         target, tokenizer, drafters, tasks, temperatures=[float(t) for t in args.temperature.split(",")],
@@ -149,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluation.add_argument("--output", required=True)
     evaluation.add_argument("--compare", action="append", metavar="NAME=PATH",
                             help="another drafter to evaluate alongside (e.g. dflash=PATH); repeatable")
+    evaluation.add_argument("--assistant", action="append", metavar="NAME=PATH",
+                            help="a classic small assistant LM as a baseline (transformers' assisted generation)")
     evaluation.add_argument("--gamma", type=int, help="ablation: verify at most this many drafts per round")
     evaluation.add_argument("--threshold-sweep", help="comma-separated static thresholds to sweep")
     evaluation.add_argument("--no-baseline", action="store_true", help="skip plain decoding (no speedup)")

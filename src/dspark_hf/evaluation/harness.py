@@ -80,6 +80,37 @@ class TaskRun:
         return calibration_metrics(logits, accepted, valid, temperatures=temperatures)
 
 
+class RoundRecorder:
+    """Per-round (verified drafts, accepted, committed) of any assisted `generate()` call (e.g. a classic small
+    assistant), read off the target's verify forwards: each forward sees the committed length (its cache) plus the
+    candidates; the next forward's cache length tells how many tokens the round committed."""
+
+    def __init__(self, target: PreTrainedModel):
+        self.target = target
+        self.calls: list[tuple[int, int]] = []  # (cache length, input length) per target forward
+
+    def __enter__(self) -> RoundRecorder:
+        def record(module, args, kwargs):
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            cache = kwargs.get("past_key_values")
+            self.calls.append((cache.get_seq_length() if cache is not None else 0, ids.shape[1]))
+
+        self.handle = self.target.register_forward_pre_hook(record, with_kwargs=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.handle.remove()
+
+    def rounds(self, prompt_length: int, output_length: int) -> list[tuple[int, int, int]]:
+        ends = [cached for cached, _ in self.calls[1:]] + [output_length - 1]
+        rounds = []
+        for (cached, fed), end in zip(self.calls, ends):
+            drafted = fed - (prompt_length if cached == 0 else 1)
+            committed = end - cached - (prompt_length - 1 if cached == 0 else 0)
+            rounds.append((drafted, min(committed - 1, drafted), committed))
+        return [r for r in rounds if r[0] >= 0]
+
+
 def _ratio(numerator: float | None, denominator: float | None) -> float | None:
     return None if numerator is None or not denominator else numerator / denominator
 
@@ -97,7 +128,7 @@ def _timed_generate(target: PreTrainedModel, ids: torch.LongTensor, **kwargs) ->
 
 def evaluate_task(
     target: PreTrainedModel,
-    drafter: DSparkDraftModel,
+    drafter: PreTrainedModel,
     tokenizer,
     prompts: list[str],
     temperature: float = 1.0,
@@ -108,18 +139,26 @@ def evaluate_task(
     progress: bool = True,
     **dspark_arguments,
 ) -> TaskRun:
-    """Decodes every prompt with DSpark (and, with `baseline`, plainly, same seed) and collects the statistics.
+    """Decodes every prompt with the drafter (and, with `baseline`, plainly, same seed) and collects the statistics.
 
-    `dspark_arguments` go to `generate()` (`dspark_policy`, `dspark_threshold`, `dspark_gamma`, ...).
+    `drafter` is a `DSparkDraftModel` (`dspark_arguments` such as `dspark_policy`, `dspark_gamma` go to
+    `generate()`) or any classic assistant model for transformers' own assisted generation (rounds are then read off
+    the target's forwards by a `RoundRecorder`).
     """
     sampling = dict(do_sample=True, temperature=temperature) if temperature > 0 else dict(do_sample=False)
     common = dict(max_new_tokens=max_new_tokens, **sampling)
+    is_dspark = isinstance(drafter, DSparkDraftModel)
     run = TaskRun()
     for index, prompt in enumerate(tqdm(prompts, desc="prompts", disable=not progress, leave=False)):
         ids = encode_prompt(tokenizer, prompt, chat).to(target.device)
         torch.manual_seed(seed + index)
-        out, seconds = _timed_generate(target, ids, assistant_model=drafter, **common, **dspark_arguments)
-        run.add(drafter.generation_stats)
+        if is_dspark:
+            out, seconds = _timed_generate(target, ids, assistant_model=drafter, **common, **dspark_arguments)
+            run.add(drafter.generation_stats)
+        else:
+            with RoundRecorder(target) as recorder:
+                out, seconds = _timed_generate(target, ids, assistant_model=drafter, **common)
+            run.rounds += recorder.rounds(ids.shape[1], out.shape[1])
         run.dspark_seconds += seconds
         run.dspark_tokens += out.shape[1] - ids.shape[1]
         run.prompts += 1
@@ -135,7 +174,7 @@ def evaluate_task(
 def run_evaluation(
     target: PreTrainedModel,
     tokenizer,
-    drafters: dict[str, DSparkDraftModel],
+    drafters: dict[str, PreTrainedModel],
     tasks: dict[str, list[str]],
     temperatures: list[float] = (1.0,),
     max_new_tokens: int = 256,
@@ -146,7 +185,8 @@ def run_evaluation(
     gamma: int | None = None,
     progress: bool = True,
 ) -> dict:
-    """Every drafter on every task at every temperature (+ an optional static-threshold sweep per task).
+    """Every drafter on every task at every temperature (+ an optional static-threshold sweep per task, for DSpark
+    drafters). Classic assistants draft `gamma` (default 7) tokens per round with a constant schedule.
 
     Returns `{"results": {drafter: {"t<T>": {task: summary}}}, "tau": {drafter: {"t<T>": macro τ}},
     "threshold_sweep": {drafter: {task: [{threshold, tau, acceptance_rate}]}}}`.
@@ -155,21 +195,25 @@ def run_evaluation(
     bar = tqdm(total=len(drafters) * len(tasks) * (len(temperatures) + len(threshold_sweep)), desc="evaluation",
                disable=not progress)
     for name, drafter in drafters.items():
-        gamma_used = gamma or drafter.config.num_draft_slots
-        extra = {"dspark_gamma": gamma} if gamma else {}
+        is_dspark = isinstance(drafter, DSparkDraftModel)
+        gamma_used = gamma or (drafter.config.num_draft_slots if is_dspark else 7)
+        extra = {"dspark_gamma": gamma} if gamma and is_dspark else {}
+        if not is_dspark:
+            drafter.generation_config.num_assistant_tokens = gamma_used
+            drafter.generation_config.num_assistant_tokens_schedule = "constant"
         for temperature in temperatures:
             key = f"t{temperature:g}"
             per_task = {}
             for task, prompts in tasks.items():
                 run = evaluate_task(target, drafter, tokenizer, prompts, temperature, max_new_tokens, chat, seed,
                                     baseline, progress, **extra)
-                per_task[task] = run.summary(gamma_used, drafter.config.sts_temperatures)
+                per_task[task] = run.summary(gamma_used, getattr(drafter.config, "sts_temperatures", None))
                 bar.update()
             report["results"].setdefault(name, {})[key] = per_task
             taus = [summary["tau"] for summary in per_task.values() if summary["tau"] is not None]
             report["tau"].setdefault(name, {})[key] = sum(taus) / len(taus) if taus else None
         for task, prompts in tasks.items():
-            for threshold in threshold_sweep:
+            for threshold in threshold_sweep if is_dspark else ():
                 run = evaluate_task(target, drafter, tokenizer, prompts, temperatures[0], max_new_tokens, chat, seed,
                                     False, progress, dspark_policy="static_threshold", dspark_threshold=threshold,
                                     **extra)
