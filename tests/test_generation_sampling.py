@@ -153,7 +153,7 @@ def test_draft_logits_are_exactly_what_tokens_were_drawn_from(target):
         target, drafter, target.generation_config.__class__(do_sample=True, max_length=20), processors
     )
     with torch.no_grad():
-        outputs = target(PROMPT, output_hidden_states=[0, 2])
+        outputs = target(PROMPT, output_hidden_states=True)  # the full tuple: layer i's output at i + 1
     ids = torch.cat([PROMPT, torch.tensor([[2]])], dim=1)
     torch.manual_seed(0)
     candidates, q_logits = generator.get_candidates(ids, model_outputs=outputs, is_first_iteration=False)
@@ -161,7 +161,7 @@ def test_draft_logits_are_exactly_what_tokens_were_drawn_from(target):
     # Recompute independently: backbone logits + Markov bias of the previous token, then the processors.
     from transformers import DynamicCache
 
-    features = torch.cat([outputs.hidden_states[0], outputs.hidden_states[2]], dim=-1)
+    features = torch.cat([outputs.hidden_states[1], outputs.hidden_states[3]], dim=-1)  # target_layer_ids (0, 2)
     block = torch.tensor([[2] + [drafter.config.mask_token_id] * 2])
     hidden = drafter(block, features, position_ids=torch.arange(3, 6)[None], context_position_ids=torch.arange(3)[None],
                      past_key_values=DynamicCache()).last_hidden_state
