@@ -142,9 +142,11 @@ class DSparkCandidateGenerator(CandidateGenerator):
             select=self._selector(input_ids),
         )
         tokens = proposal.tokens.to(input_ids.device)
-        num_tokens = self._stop_length(input_ids, tokens) if budget > 0 or first else 0
-        if not first:
-            num_tokens = self.verify_length(proposal.confidence_logits, num_tokens)
+        if first:  # never an empty candidate here (see above)
+            num_tokens = max(self._stop_length(input_ids, tokens), 1)
+        else:
+            num_tokens = self.verify_length(proposal.confidence_logits,
+                                            self._stop_length(input_ids, tokens) if budget > 0 else 0)
 
         self.stats.draft_seconds.append(time.perf_counter() - started)
         self._handed_over_at = time.perf_counter()
@@ -193,14 +195,20 @@ class DSparkCandidateGenerator(CandidateGenerator):
         return self.stop_strings is not None and bool(self.stop_strings(input_ids, None).any())
 
     def _stop_length(self, input_ids: torch.LongTensor, tokens: torch.LongTensor) -> int:
-        """Drafts to keep: up to and including the first eos or stop-string completion (plain decoding stops there)."""
+        """Drafts to verify so that a round never runs past where plain decoding stops.
+
+        Up to and including the first eos (transformers cuts accepted tokens there). For stop strings, transformers
+        only looks at the sequence after a round (5.24 also appends the bonus token after a fully accepted draft), so
+        drafts stop *before* the token that would complete one: the target's own next token then completes it and
+        generation ends at the same token as plain decoding.
+        """
         length = tokens.shape[1]
         if self.eos_token_ids is not None:
             hits = torch.isin(tokens[0], self.eos_token_ids).nonzero()
             if hits.numel():
                 length = int(hits[0, 0]) + 1
         if self.stop_strings is not None:
-            for end in range(1, length):
+            for end in range(1, length + 1):
                 if bool(self.stop_strings(torch.cat([input_ids, tokens[:, :end]], dim=1), None).any()):
-                    return end
+                    return end - 1
         return length
