@@ -92,7 +92,7 @@ class RoundRecorder:
     def __enter__(self) -> RoundRecorder:
         def record(module, args, kwargs):
             ids = kwargs.get("input_ids", args[0] if args else None)
-            cache = kwargs.get("past_key_values")
+            cache = kwargs.get("past_key_values") or kwargs.get("cache")  # renamed `cache` in newer transformers
             self.calls.append((cache.get_seq_length() if cache is not None else 0, ids.shape[1]))
 
         self.handle = self.target.register_forward_pre_hook(record, with_kwargs=True)
