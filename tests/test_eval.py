@@ -40,7 +40,7 @@ def test_summary_metrics_by_hand():
     assert summary["draft_tokens_per_proposal"] == pytest.approx(8 / 3)
     assert summary["verify_rate"] == pytest.approx(7 / 11)
     assert summary["accept_rate_at_k"] == pytest.approx([2 / 3, 1 / 3, 1 / 2])
-    assert summary["conditional_acceptance"] == pytest.approx([2 / 3, 1 / 2, 3 / 2])
+    assert summary["conditional_acceptance"] == pytest.approx([2 / 3, 1 / 2, 1.0])
 
 
 def test_eval_command_writes_results_and_plots(saved_pair, data_dir, tmp_path):  # noqa: F811

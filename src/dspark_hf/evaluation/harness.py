@@ -4,7 +4,9 @@ Metrics (DeepSpec's definitions, plus speed):
 - `tau`: committed tokens per round, bonus included; `draft_tokens_per_proposal`: verified drafts per round;
   `verify_rate`: committed / (verified drafts + rounds);
 - `accept_rate_at_k[k]`: rounds whose first k+1 drafts were all accepted / rounds that verified > k drafts
-  (cumulative); `conditional_acceptance[k]`: accept_rate_at_k[k] / accept_rate_at_k[k-1] (the paper's Fig. 2);
+  (cumulative, DeepSpec's); `conditional_acceptance[k]`: P(draft k+1 accepted | drafts 1..k accepted), counted
+  over rounds that verified > k drafts (the paper's Fig. 2; not the ratio of consecutive accept_rate_at_k, which
+  can exceed 1 when rounds verify different numbers of drafts);
 - `tokens_per_s` of DSpark and of plain `generate()` on the same prompts in the same run, and their ratio;
 - `calibration`: per-position ECE / AUC / Brier of the (STS-calibrated, if the drafter has temperatures)
   cumulative survival against the accepted prefixes.
@@ -48,7 +50,8 @@ class TaskRun:
         committed = sum(c for _, _, c in self.rounds)
         accept = [_ratio(sum(a > k for d, a, _ in self.rounds if d > k), sum(d > k for d, _, _ in self.rounds))
                   for k in range(gamma)]
-        conditional = [accept[0]] + [_ratio(accept[k], accept[k - 1]) for k in range(1, gamma)]
+        conditional = [_ratio(sum(a > k for d, a, _ in self.rounds if d > k),
+                              sum(a >= k for d, a, _ in self.rounds if d > k)) for k in range(gamma)]
         report = {
             "prompts": self.prompts,
             "rounds": rounds,
