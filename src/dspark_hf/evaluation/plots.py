@@ -35,17 +35,21 @@ def plot_report(report: dict, output_dir: str | Path) -> list[Path]:
     paths.append(output_dir / "tau_per_task.png")
     figure.savefig(paths[-1], dpi=120, bbox_inches="tight")
 
-    figure = _figure()
-    axes = figure.add_subplot()
-    for name in drafters:
-        for temperature, per_task in results[name].items():
-            for task, summary in per_task.items():
-                values = summary["conditional_acceptance"]
-                axes.plot(range(1, len(values) + 1), values, marker="o", label=f"{name} {temperature} {task}")
-    axes.set_xlabel("draft position k")
-    axes.set_ylabel("P(draft k accepted | drafts < k accepted)")
-    axes.set_ylim(0, 1)
-    axes.legend(fontsize=7)
+    temperatures = list(results[drafters[0]])
+    figure = _figure(5 * len(temperatures), 4)
+    styles = ["-", "--", ":", "-."]
+    for column, temperature in enumerate(temperatures):
+        axes = figure.add_subplot(1, len(temperatures), column + 1)
+        for color, name in enumerate(drafters):
+            for style, task in enumerate(tasks):
+                values = results[name][temperature][task]["conditional_acceptance"]
+                axes.plot(range(1, len(values) + 1), [v if v is not None else float("nan") for v in values],
+                          marker="o", color=f"C{color}", linestyle=styles[style % len(styles)], label=f"{name} {task}")
+        axes.set_title(f"temperature {temperature[1:]}")
+        axes.set_xlabel("draft position k")
+        axes.set_ylabel("P(draft k accepted | drafts < k accepted)")
+        axes.set_ylim(0, 1.05)
+        axes.legend(fontsize=7)
     paths.append(output_dir / "conditional_acceptance.png")
     figure.savefig(paths[-1], dpi=120, bbox_inches="tight")
 
