@@ -11,6 +11,7 @@ benchmarks/results/eval_code50m.json (+ eval_code50m_*.png).
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -29,6 +30,9 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threshold-sweep", default="",
+                        help="only sweep these static thresholds (DSpark drafter, T=1.0, no baseline) and write "
+                             "eval_code50m_threshold_sweep.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -46,6 +50,24 @@ def main() -> None:
         "stdlib_code": stdlib_code_prompts(args.prompts),
         "humaneval": [p.rstrip() for p in load_task("humaneval", SHARED / "data", limit=args.prompts)],
     }
+    if args.threshold_sweep:
+        thresholds = [float(t) for t in args.threshold_sweep.split(",")]
+        sweep = run_evaluation(target, tokenizer, {"dspark": drafters["dspark"]}, tasks, temperatures=[1.0],
+                               max_new_tokens=args.max_new_tokens, chat=False, baseline=False,
+                               threshold_sweep=thresholds)
+        plots = Path(tempfile.mkdtemp())
+        for path in plot_report(sweep, plots):
+            if path.name == "threshold_sweep.png":
+                shutil.copy(path, RESULTS / "eval_code50m_threshold_sweep.png")
+        write_json("eval_code50m_threshold_sweep.json", {
+            "what": "static confidence threshold sweep (the first slot whose conditional confidence is below the "
+                    "threshold ends the verified prefix): acceptance rate of verified drafts and tau per task, "
+                    "DSpark drafter for the 50M code fixture, T = 1.0",
+            "environment": environment(), "device": args.device, "prompts_per_task": args.prompts,
+            "max_new_tokens": args.max_new_tokens, "threshold_sweep": sweep["threshold_sweep"],
+        })
+        print(json.dumps(sweep["threshold_sweep"], indent=1))
+        return
     report = run_evaluation(target, tokenizer, drafters, tasks, temperatures=[0.0, 1.0],
                             max_new_tokens=args.max_new_tokens, chat=False, gamma=7)
     plots = Path(tempfile.mkdtemp())
