@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_generation_sampling import ALPHA, NEW_TOKENS, VOCAB, chi_square_p_value, oracle_drafter
+from test_generation_sampling import ALPHA, NEW_TOKENS, VOCAB, chi_square_p_value, exact_distribution, oracle_drafter
 from tiny_models import install_bigram_oracle, make_bigram_like, tiny_drafter, tiny_target
 from transformers import LogitsProcessorList, StoppingCriteria, TemperatureLogitsWarper, TopPLogitsWarper
 
@@ -147,20 +147,6 @@ PROMPTS = [[4, 1, 5], [3], [2, 0, 4, 4, 1]]  # different lengths: rows are left-
 COPIES = 2000
 
 
-def exact_distribution(target, prompt: list[int], processors: LogitsProcessorList) -> dict:
-    probs = {(): 1.0}
-    for _ in range(NEW_TOKENS):
-        grown = {}
-        for prefix, mass in probs.items():
-            ids = torch.tensor([prompt + list(prefix)])
-            with torch.no_grad():
-                step = processors(ids, target(ids).logits[:, -1].float()).softmax(-1)[0]
-            for token in range(VOCAB):
-                grown[prefix + (token,)] = mass * float(step[token])
-        probs = grown
-    return probs
-
-
 @pytest.fixture(scope="module")
 def sampling_target():
     model = make_bigram_like(tiny_target("qwen3", vocab_size=VOCAB, eos_token_id=None), damping=0.3)
@@ -195,7 +181,7 @@ def test_sampling_each_row_matches_target_distribution(sampling_target, sampling
         counts = {}
         for cell in generated[p * COPIES:(p + 1) * COPIES]:
             counts[tuple(cell)] = counts.get(tuple(cell), 0) + 1
-        p_value = chi_square_p_value(counts, exact_distribution(target, prompt, processors), COPIES)
+        p_value = chi_square_p_value(counts, exact_distribution(target, processors, prompt), COPIES)
         assert p_value > ALPHA, (prompt, p_value)
     stats = drafter.generation_stats
     assert 1.1 < stats.tau < 2.5

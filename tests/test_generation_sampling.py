@@ -24,16 +24,17 @@ VOCAB, NEW_TOKENS, ALPHA = 6, 3, 1e-3
 PROMPT = torch.tensor([[4, 1, 5]])
 
 
-def exact_distribution(target, processors: LogitsProcessorList) -> dict[tuple[int, ...], float]:
-    """P(t1, t2, t3 | PROMPT) under the processed target, by enumeration."""
+def exact_distribution(target, processors: LogitsProcessorList, prompt: list[int] | None = None
+                       ) -> dict[tuple[int, ...], float]:
+    """P(t1, t2, t3 | prompt) under the processed target, by enumeration (default prompt: PROMPT)."""
+    prompt = PROMPT[0].tolist() if prompt is None else prompt
     probs = {(): 1.0}
     for _ in range(NEW_TOKENS):
         grown = {}
         for prefix, mass in probs.items():
-            ids = torch.cat([PROMPT, torch.tensor([prefix], dtype=torch.long).reshape(1, -1)], dim=1)
+            ids = torch.tensor([prompt + list(prefix)])
             with torch.no_grad():
-                logits = target(ids).logits[:, -1].float()
-            step = processors(ids, logits).softmax(-1)[0]
+                step = processors(ids, target(ids).logits[:, -1].float()).softmax(-1)[0]
             for token in range(VOCAB):
                 grown[prefix + (token,)] = mass * float(step[token])
         probs = grown

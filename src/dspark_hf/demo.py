@@ -9,7 +9,7 @@ Which pair (first match wins):
 3. a tiny random-init Qwen3 target and drafter built in memory. That shows the machinery and its losslessness, not
    a speedup: an untrained drafter accepts almost nothing. The demo says so.
 
-The helpers here (`load_demo_pair`, `RoundRecorder`, `token_kinds`, `limit_draft_length`) are shared with the
+The helpers here (`load_demo_pair`, `RoundRecorder`, `token_kinds`) are shared with the
 Gradio Space (`space_app/app.py`) and the examples.
 """
 
@@ -21,7 +21,6 @@ import shutil
 import sys
 import textwrap
 import time
-from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +28,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
-from .generation.policy import GENERATION_ARGUMENTS
+from .evaluation.compare import timed_generate
 from .models import DSparkConfig, DSparkDraftModel
 
 DEMO_MODELS_ENV = "DSPARK_DEMO_MODELS"
@@ -139,27 +138,6 @@ def load_demo_pair(target: str | None = None, drafter: str | None = None, dtype:
     model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(device).eval()
     draft = DSparkDraftModel.from_pretrained(drafter, dtype=dtype).to(device).eval()
     return DemoPair(model, draft, tokenizer, name, description, trained)
-
-
-@contextmanager
-def limit_draft_length(drafter: DSparkDraftModel, gamma: int | None):
-    """For a dspark_hf without the `dspark_gamma` generation argument (`generate_streamed` prefers it): within the block, `drafter` proposes at most `gamma` tokens per round (its block is still drafted whole, so
-    the first `gamma` drafts are exactly the ones it would propose anyway; the policy may verify fewer)."""
-    if gamma is None or gamma >= drafter.config.num_draft_slots:
-        yield drafter
-        return
-    if gamma < 1:
-        raise ValueError(f"gamma must be at least 1, got {gamma}.")
-    unbound = type(drafter).draft
-
-    def draft(*args, num_tokens=None, **kwargs):
-        return unbound(drafter, *args, num_tokens=gamma if num_tokens is None else min(num_tokens, gamma), **kwargs)
-
-    drafter.draft = draft
-    try:
-        yield drafter
-    finally:
-        del drafter.draft
 
 
 # ---------------------------------------------------------------------------------------------- rounds and tokens
@@ -282,20 +260,12 @@ def generate_streamed(pair: DemoPair, input_ids: torch.LongTensor, use_drafter: 
     """One `generate()` call (plain, or DSpark when `use_drafter`) with a `RoundRecorder`; returns it and seconds."""
     recorder = RoundRecorder(pair.drafter if use_drafter else None, on_put=on_put)
     extra = {"assistant_model": pair.drafter} if use_drafter else {}
-    capped = use_drafter and gamma is not None and gamma < pair.drafter.config.num_draft_slots
-    limiter = nullcontext()
-    if capped and "dspark_gamma" in GENERATION_ARGUMENTS:
-        extra["dspark_gamma"] = int(gamma)  # the generation argument: verify at most γ drafts per round
-    elif capped:
-        limiter = limit_draft_length(pair.drafter, gamma)
+    if use_drafter and gamma is not None and gamma < pair.drafter.config.num_draft_slots:
+        extra["dspark_gamma"] = int(gamma)  # verify at most γ drafts per round
     torch.manual_seed(seed)
-    started = time.perf_counter()
-    with torch.no_grad(), limiter:
-        target = pair.target
-        target.generate(input_ids.to(target.device), streamer=recorder, **extra, **generate_kwargs)
-    if target.device.type == "cuda":
-        torch.cuda.synchronize(target.device)
-    return recorder, time.perf_counter() - started
+    _, seconds = timed_generate(pair.target, input_ids.to(pair.target.device), streamer=recorder, **extra,
+                                **generate_kwargs)
+    return recorder, seconds
 
 
 def run_demo(args: argparse.Namespace) -> int:

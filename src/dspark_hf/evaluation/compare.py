@@ -40,9 +40,17 @@ class Comparison:
         return self.dspark_tokens_per_second / self.plain_tokens_per_second
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def timed_generate(target: PreTrainedModel, input_ids: torch.LongTensor, **generate_kwargs):
+    """`target.generate(input_ids, **generate_kwargs)` without gradients; returns (output, wall-clock seconds),
+    synchronising the GPU around the call so the time covers the whole generation."""
+    if target.device.type == "cuda":
+        torch.cuda.synchronize(target.device)
+    started = time.perf_counter()
+    with torch.no_grad():
+        output = target.generate(input_ids, **generate_kwargs)
+    if target.device.type == "cuda":
+        torch.cuda.synchronize(target.device)
+    return output, time.perf_counter() - started
 
 
 def compare_generation(
@@ -61,12 +69,7 @@ def compare_generation(
     for kind, extra in (("plain", {}), ("dspark", {"assistant_model": drafter})):
         streamer = streamer_factory(kind) if streamer_factory else None
         torch.manual_seed(seed)
-        _synchronize(target.device)
-        started = time.perf_counter()
-        with torch.no_grad():
-            output = target.generate(input_ids, streamer=streamer, **extra, **generate_kwargs)
-        _synchronize(target.device)
-        results[kind] = (output, time.perf_counter() - started)
+        results[kind] = timed_generate(target, input_ids, streamer=streamer, **extra, **generate_kwargs)
     return Comparison(
         plain_ids=results["plain"][0],
         dspark_ids=results["dspark"][0],

@@ -14,7 +14,6 @@ Metrics (DeepSpec's definitions, plus speed):
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +23,7 @@ from transformers import PreTrainedModel
 from ..calibration import calibration_metrics
 from ..generation import DSparkStats
 from ..models import DSparkDraftModel
+from .compare import timed_generate
 from .prompts import encode_prompt
 
 
@@ -118,17 +118,6 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
     return None if numerator is None or not denominator else numerator / denominator
 
 
-def _timed_generate(target: PreTrainedModel, ids: torch.LongTensor, **kwargs) -> tuple[torch.LongTensor, float]:
-    if target.device.type == "cuda":
-        torch.cuda.synchronize(target.device)
-    started = time.perf_counter()
-    with torch.no_grad():
-        out = target.generate(ids, **kwargs)
-    if target.device.type == "cuda":
-        torch.cuda.synchronize(target.device)
-    return out, time.perf_counter() - started
-
-
 def evaluate_task(
     target: PreTrainedModel,
     drafter: PreTrainedModel,
@@ -156,18 +145,18 @@ def evaluate_task(
         ids = encode_prompt(tokenizer, prompt, chat).to(target.device)
         torch.manual_seed(seed + index)
         if is_dspark:
-            out, seconds = _timed_generate(target, ids, assistant_model=drafter, **common, **dspark_arguments)
+            out, seconds = timed_generate(target, ids, assistant_model=drafter, **common, **dspark_arguments)
             run.add(drafter.generation_stats)
         else:
             with RoundRecorder(target) as recorder:
-                out, seconds = _timed_generate(target, ids, assistant_model=drafter, **common)
+                out, seconds = timed_generate(target, ids, assistant_model=drafter, **common)
             run.rounds += recorder.rounds(ids.shape[1], out.shape[1])
         run.dspark_seconds += seconds
         run.dspark_tokens += out.shape[1] - ids.shape[1]
         run.prompts += 1
         if baseline:
             torch.manual_seed(seed + index)
-            plain, seconds = _timed_generate(target, ids, **common)
+            plain, seconds = timed_generate(target, ids, **common)
             run.plain_seconds += seconds
             run.plain_tokens += plain.shape[1] - ids.shape[1]
             run.identical += int(torch.equal(plain, out))
