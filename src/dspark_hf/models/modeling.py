@@ -19,6 +19,7 @@ from transformers.cache_utils import Cache
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding
 
+from . import placement
 from .configuration import DSparkConfig
 from .heads import ConfidenceHead, MarkovHead
 from .qwen3 import DSparkDecoderLayer
@@ -170,36 +171,12 @@ class DSparkDraftModel(DSparkPreTrainedModel):
     def share_target_weights(self, target: PreTrainedModel) -> list[str]:
         """Uses the target's input embedding and LM head where ours are absent or identical; returns what was shared.
 
-        Sharing means the drafter holds the target's `Parameter`, so no second vocab matrix stays in memory.
+        Sharing means the drafter holds the target's `Parameter`, so no second vocab matrix stays in memory. A drafter
+        still on the CPU first moves next to the target's LM head when that head runs on an accelerator (one you
+        placed yourself stays put). Weights that are offloaded (accelerate `device_map`), on another device than the
+        drafter, or quantized are used through views that compute where the weight lives (see `models/placement.py`).
         """
-        shared = []
-        pairs = (("embed_tokens", target.get_input_embeddings()), ("lm_head", target.get_output_embeddings()))
-        for name, theirs in pairs:
-            ours: nn.Module = getattr(self, name)
-            theirs_weight = getattr(theirs, "weight", None)
-            if theirs_weight is None or ours.weight is theirs_weight:
-                if name in self.weights_from_target and theirs_weight is None:
-                    raise ValueError(f"The drafter has no {name} weights and the target exposes none to share.")
-                shared += [name] if theirs_weight is not None else []
-                continue
-            if theirs_weight.shape != ours.weight.shape:
-                if name in self.weights_from_target:
-                    raise ValueError(
-                        f"The drafter needs the target's {name} ({tuple(ours.weight.shape)}) but the target's has "
-                        f"shape {tuple(theirs_weight.shape)}."
-                    )
-                continue
-            identical = (
-                theirs_weight.dtype == ours.weight.dtype
-                and theirs_weight.device == ours.weight.device
-                and torch.equal(theirs_weight, ours.weight)
-            )
-            if name in self.weights_from_target or identical:
-                ours.weight = theirs_weight
-                shared.append(name)
-        self.weights_from_target.difference_update(shared)
-        self.shared_with_target.update(shared)
-        return shared
+        return placement.share_target_weights(self, target)
 
     def require_target_weights(self) -> None:
         """Raises unless the weights this checkpoint left to the target have been shared from it."""
@@ -224,6 +201,8 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             dropped = set(SHAREABLE_WEIGHTS.values())
         if include_target_weights and self.weights_from_target:
             raise ValueError(f"{sorted(self.weights_from_target)} are not loaded; share them from a target first.")
+        if include_target_weights:  # weights reached through views onto an offloaded / other-device target
+            state_dict = {**state_dict, **placement.view_state_dict(self)}
         state_dict = {
             key: tensor.detach().clone() if key in SHAREABLE_WEIGHTS else tensor  # never alias the target's storage
             for key, tensor in state_dict.items()
@@ -267,7 +246,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         self.require_target_weights()
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
-        hidden_states = inputs_embeds.to(self.fc.weight.dtype)
+        hidden_states = inputs_embeds.to(self.compute_dtype)
         batch, block_len = hidden_states.shape[:2]
         if target_hidden_states is None:
             target_hidden_states = hidden_states.new_zeros(batch, 0, self.fc.in_features)
@@ -284,10 +263,18 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             hidden_states = layer(hidden_states, context, rotary, context_rotary, attention_mask, past_key_values)
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The drafter's activation dtype (its float weights' dtype, also when its linear layers are quantized)."""
+        weight = self.fc.weight
+        return weight.dtype if weight.is_floating_point() and weight.element_size() >= 2 else self.norm.weight.dtype
+
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """LM-head logits in float32 (the weight may be the target's, possibly of another dtype)."""
-        weight = self.lm_head.weight
-        return nn.functional.linear(hidden_states.to(weight.dtype), weight).float()
+        """LM-head logits in float32 (the weight may be the target's, possibly of another dtype, device or format)."""
+        head = self.lm_head
+        if not isinstance(head, nn.Linear) or placement.is_quantized(head):
+            return head(hidden_states).float()  # a view onto the target's head (`models/placement.py`)
+        return nn.functional.linear(hidden_states.to(head.weight.dtype), head.weight).float()
 
     def confidence_logits(self, hidden_states: torch.Tensor, prev_ids: torch.LongTensor) -> torch.Tensor | None:
         """Raw confidence logits [..., γ] for slots with hidden states [..., γ, H] and predecessors [..., γ]."""
