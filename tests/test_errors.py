@@ -31,7 +31,7 @@ def counted_target(monkeypatch):
     [
         (dict(vocab_size=100), "vocab size"),
         (dict(hidden_size=64), "hidden size"),
-        (dict(target_layer_ids=[0, 3]), "last layer"),
+        (dict(target_layer_ids=[-2, 0]), "outside the target's layers"),
         (dict(target_layer_ids=[0, 9]), "outside the target's layers"),
         (dict(num_target_layers=36), "layer count"),
     ],

@@ -1,5 +1,6 @@
 """DeepSeek-V4 DSpark heads (`mtp.{0,1,2}.*` inside a V4 checkpoint) at tiny size: load with the remap, block
-logits equal the V4 block maths written out here, and the drafter drives a tiny transformers V4 target losslessly."""
+logits equal the V4 block maths written out here, taps read the target's raw hyper-connection streams (its last layer
+included), and the drafter drives a tiny transformers V4 target with compressor layers losslessly."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ import json
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
+from tiny_models import install_bigram_oracle, make_bigram_like
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 from transformers.cache_utils import DynamicCache
 
 import dspark_hf  # noqa: F401
 import dspark_hf.checkpoints as ck
 from dspark_hf import DSparkDraftModel
+from dspark_hf.models import TargetLayerTap
 
 H, V, HEADS, HD, ROPE, QR, OG, OR, E, TOPK, INTER, HC = 32, 96, 4, 16, 8, 16, 2, 8, 4, 2, 16, 2
 STAGES, TAPS, BLOCK, LIMIT, ITERS, EPS, SCALE = 3, [0, 1, 2], 5, 10.0, 3, 1e-6, 1.5
@@ -38,7 +41,7 @@ def v4_config(window: int = 64) -> dict:
     }
 
 
-def mtp_state(seed: int = 0) -> dict[str, torch.Tensor]:
+def mtp_state(seed: int = 0, markov_rank: int = 8) -> dict[str, torch.Tensor]:
     """Reference-named `mtp.*` tensors (bf16; `main_proj` FP8 + block scale) plus a few of the target's own."""
     generator = torch.Generator().manual_seed(seed)
 
@@ -72,8 +75,9 @@ def mtp_state(seed: int = 0) -> dict[str, torch.Tensor]:
                           f"{p}ffn.experts.{e}.w3.weight": rand(INTER, H)})
     last = f"mtp.{STAGES - 1}."
     state.update({last + "norm.weight": 1 + rand(H), last + "hc_head_fn": rand(HC, HC * H), last + "hc_head_base": rand(HC),
-                  last + "hc_head_scale": 1 + rand(1), last + "markov_head.embed.weight": rand(V, 8),
-                  last + "markov_head.head.weight": rand(V, 8), last + "confidence_head.proj.weight": rand(1, H + 8)})
+                  last + "hc_head_scale": 1 + rand(1), last + "markov_head.embed.weight": rand(V, markov_rank),
+                  last + "markov_head.head.weight": rand(V, markov_rank),
+                  last + "confidence_head.proj.weight": rand(1, H + markov_rank)})
     return state
 
 
@@ -194,28 +198,85 @@ def test_v4_mtp_heads_load_and_match_reference_math(tmp_path):
     torch.testing.assert_close(proposal.confidence_logits[0], conf[:, 0], rtol=1e-4, atol=1e-4)
 
 
-def test_v4_drafter_drives_a_v4_target_losslessly(tmp_path):
+WINDOW, NEW_TOKENS = 8, 32
+
+
+def v4_target() -> DeepseekV4ForCausalLM:
+    """A tiny transformers V4 target, float32: sliding window 8 in every layer; layer 1 adds CSA (compress rate 4, the
+    indexer keeps the top 2 entries), layer 2 HCA (rate 8); hash routing in layer 0; no eos; nearly bigram (damped
+    layer outputs) so that a bigram-oracle drafter gets long accepts."""
+    fields = {k: v for k, v in v4_config(WINDOW).items()
+              if not k.startswith("dspark_") and k not in ("architectures", "model_type", "quantization_config")}
+    fields.update(compress_ratios=[0, 4, 128, 0], compress_rate_hca=8, index_topk=2, num_hash_layers=1,
+                  eos_token_id=None)
+    torch.manual_seed(0)
+    target = DeepseekV4ForCausalLM(DeepseekV4Config(**fields)).eval()
+    assert target.config.layer_types[1:3] == ["compressed_sparse_attention", "heavily_compressed_attention"]
+    return make_bigram_like(target, damping=0.3)
+
+
+def v4_drafter(folder, taps: list[int], oracle_for=None) -> DSparkDraftModel:
+    """The published layout with taps `taps`; with `oracle_for`, a full-rank Markov head set to that target's bigram
+    table (a good drafter), else random heads (nearly every draft rejected)."""
+    config = {**v4_config(WINDOW), "dspark_target_layer_ids": taps}
+    if oracle_for is not None:
+        config["dspark_markov_rank"] = V
+    write(folder, config, mtp_state(seed=1, markov_rank=config["dspark_markov_rank"]))
+    drafter = DSparkDraftModel.from_pretrained(folder, dtype=torch.float32)
+    return drafter if oracle_for is None else install_bigram_oracle(drafter, oracle_for)
+
+
+def test_taps_read_the_v4_streams_raw_including_the_last_layer():
+    """A tap is the [B, T, hc_mult, H] residual stream a decoder layer returns: transformers' own `hidden_states` for
+    every layer but the last, which transformers returns only after `hc_head` and the final norm."""
+    target = v4_target()
+    ids = torch.randint(4, V, (1, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), TargetLayerTap(target, [-1, 1, 3]) as tap:
+        full = target(ids, output_hidden_states=True).hidden_states  # embedding streams first, then each layer
+        features = tap.features()
+        assert features.shape == (1, 11, HC, 3 * H)
+        torch.testing.assert_close(features[..., :H], full[0])
+        torch.testing.assert_close(features[..., H : 2 * H], full[2])
+        last = features[..., 2 * H :]
+        torch.testing.assert_close(target.model.norm(target.model.hc_head(last)), full[-1])
+
+
+def test_v4_drafter_drives_a_v4_target_with_compressors_losslessly(tmp_path):
+    """transformers flags V4 `_is_stateful` (compressor state cannot be cropped back), so generate() runs dspark_hf's
+    stateful loop: cache copy before verifying, restore and re-feed after a partial accept. Prompts of 1, 6 and 20
+    tokens plus 32 new ones fill the window, close CSA/HCA windows and outgrow the indexer's top-k. The taps include
+    the target's last layer."""
+    target = v4_target()
+    assert target._is_stateful
+    drafters = {"random": v4_drafter(tmp_path / "random", [0, 2, 3]),
+                "oracle": v4_drafter(tmp_path / "oracle", [0, 2, 3], oracle_for=target)}
+    rounds = {name: [] for name in drafters}
+    generator = torch.Generator().manual_seed(3)
+    for n in (1, 6, 20):
+        ids = torch.randint(4, V, (1, n), generator=generator)
+        reference = target.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+        assert reference.shape[1] == n + NEW_TOKENS
+        for name, drafter in drafters.items():
+            out = target.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, assistant_model=drafter)
+            assert torch.equal(out, reference), (name, n)
+            stats = drafter.generation_stats
+            rounds[name] += list(zip(stats.drafted[:-1], stats.accepted[:-1]))
+        # sampling sanity: top_k=1 makes the target's processed distribution one-hot, so sampling equals greedy
+        sampled = target.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=True, top_k=1,
+                                  assistant_model=drafters["oracle"])
+        assert torch.equal(sampled, reference)
+    assert target._is_stateful  # the flag is only shadowed while transformers validates
+    assert any(0 < a < d for d, a in rounds["oracle"]) and any(0 < a == d for d, a in rounds["oracle"])
+    assert (0, 0) in rounds["random"]  # a round verifying no drafts flushed the re-fed tokens
+    oracle = drafters["oracle"]
+    assert oracle.embed_tokens.weight is target.get_input_embeddings().weight
+    assert sum(oracle.generation_stats.committed) / oracle.generation_stats.rounds > 2.0
+
+
+def test_v4_drafter_round_trips_natively(tmp_path):
     config = v4_config()
     write(tmp_path, config, mtp_state(seed=1))
     drafter = DSparkDraftModel.from_pretrained(tmp_path, dtype=torch.float32)
-    fields = {k: v for k, v in config.items()
-              if not k.startswith("dspark_") and k not in ("architectures", "model_type", "quantization_config")}
-    fields["compress_ratios"] = [0] * 4
-    torch.manual_seed(0)
-    target = DeepseekV4ForCausalLM(DeepseekV4Config(**fields)).eval()
-    # transformers flags every V4 model stateful (CSA/HCA compressor state can't be rolled back). This target has
-    # sliding-window layers only and stays inside its 64-token window, where the cache crops exactly.
-    target._is_stateful = False
-    generator = torch.Generator().manual_seed(3)
-    for n in (1, 4, 8):
-        ids = torch.randint(4, V, (1, n), generator=generator)
-        reference = target.generate(ids, max_new_tokens=16, do_sample=False)
-        out = target.generate(ids, max_new_tokens=16, do_sample=False, assistant_model=drafter)
-        assert torch.equal(out, reference)
-    assert drafter.embed_tokens.weight is target.get_input_embeddings().weight
-    assert max(drafter.generation_stats.drafted) == BLOCK
-
-    # native round trip of the remapped drafter (embed / head stay the target's)
     drafter.save_pretrained(tmp_path / "native")
     again = DSparkDraftModel.from_pretrained(tmp_path / "native", dtype=torch.float32)
     assert type(again).__name__ == "DeepseekV4DSparkDraftModel"

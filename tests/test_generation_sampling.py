@@ -153,11 +153,13 @@ def test_draft_logits_are_exactly_what_tokens_were_drawn_from(target):
     generator = dspark_hf.DSparkCandidateGenerator(
         target, drafter, target.generation_config.__class__(do_sample=True, max_length=20), processors
     )
-    with torch.no_grad():
+    prefill, no_logits = generator.get_candidates(PROMPT, is_first_iteration=True)  # the target prefills first
+    assert prefill is PROMPT and no_logits is None
+    with torch.no_grad(), generator.tap:
         outputs = target(PROMPT, output_hidden_states=True)  # the full tuple: layer i's output at i + 1
-    ids = torch.cat([PROMPT, torch.tensor([[2]])], dim=1)
-    torch.manual_seed(0)
-    candidates, q_logits = generator.get_candidates(ids, model_outputs=outputs, is_first_iteration=False)
+        ids = torch.cat([PROMPT, torch.tensor([[2]])], dim=1)
+        torch.manual_seed(0)
+        candidates, q_logits = generator.get_candidates(ids, model_outputs=outputs, is_first_iteration=False)
     drafts = candidates[:, ids.shape[1]:]
     # Recompute independently: backbone logits + Markov bias of the previous token, then the processors.
     from transformers import DynamicCache

@@ -162,15 +162,16 @@ def test_presets_reproduce_deepspec():
     assert set(PRESETS) >= {"code50m-dspark", "code50m-dflash"}
 
 
-def test_drafter_config_fits_target_and_rejects_last_layer(tmp_path):
+def test_drafter_config_fits_target_and_rejects_layers_outside_it(tmp_path):
     target = tiny_target("llama", vocab_size=40)
     config = TrainingConfig(num_draft_layers=2, markov_rank=4, mask_token_id=3)
     drafter_config = build_drafter_config(target.config, config)
     assert drafter_config.hidden_size == 32 and drafter_config.vocab_size == 40
     assert drafter_config.target_layer_ids == [1, 1]  # DFlash rule: evenly spaced in 1..N-3
     assert drafter_config.num_target_layers == 4 and drafter_config.enable_confidence_head
-    with pytest.raises(ValueError, match="last layer"):
-        build_drafter_config(target.config, config.replace(target_layer_ids=[0, 3]))
+    assert build_drafter_config(target.config, config.replace(target_layer_ids=[0, 3])).target_layer_ids == [0, 3]
+    with pytest.raises(ValueError, match="outside the target's layers"):
+        build_drafter_config(target.config, config.replace(target_layer_ids=[0, 4]))
     path = tmp_path / "c.json"
     config.to_json(str(path))
     assert TrainingConfig.from_json(str(path)) == config

@@ -136,5 +136,9 @@ def test_features_are_decoder_layer_outputs():
         full = target(ids, output_hidden_states=True).hidden_states  # embedding output first
     torch.testing.assert_close(features.hidden, torch.cat([full[1], full[3]], dim=-1))
     torch.testing.assert_close(features.last_hidden, full[-1])  # post final norm
-    with pytest.raises(ValueError, match="last layer"):
-        TargetFeatureExtractor(target, [0, 3])
+    last = TargetFeatureExtractor(target, [-1, 3])(ids).hidden  # the last layer raw (before the final norm)
+    torch.testing.assert_close(last[..., :32], full[0])
+    torch.testing.assert_close(target.model.norm(last[..., 32:]), full[-1])
+    assert not torch.allclose(last[..., 32:], full[-1])
+    with pytest.raises(ValueError, match="outside the target's layers"):
+        TargetFeatureExtractor(target, [0, 4])

@@ -66,12 +66,16 @@ def tiny_drafter(target: PreTrainedModel, block_size: int = 4, markov_rank: int 
     return DSparkDraftModel(config).eval()
 
 
+OUTPUT_PROJECTIONS = ("o_proj.weight", "o_b_proj.weight", "out_proj.weight", "down_proj.weight", "experts.down_proj")
+
+
 def make_bigram_like(target: PreTrainedModel, damping: float = 0.05) -> PreTrainedModel:
-    """Shrinks attention and MLP outputs so the target's next token depends mostly on the current one."""
+    """Shrinks every decoder layer's attention and MLP output projections (dense, MoE experts, DeepSeek-V4's grouped
+    `o_b_proj`, linear attention's `out_proj`) so the target's next token depends mostly on the current one."""
     with torch.no_grad():
-        for layer in target.model.layers:
-            layer.self_attn.o_proj.weight.mul_(damping)
-            layer.mlp.down_proj.weight.mul_(damping)
+        for name, parameter in target.named_parameters():
+            if ".layers." in name and name.endswith(OUTPUT_PROJECTIONS):
+                parameter.mul_(damping)
     return target
 
 

@@ -1,14 +1,14 @@
-"""DSpark inside `generate()`: the candidate generator, target-feature plumbing and the hook."""
+"""DSpark inside `generate()`: the candidate generator, the batch-1 loop for stateful targets, the hook."""
 
 from .candidate_generator import DSparkCandidateGenerator, DSparkStats
 from .hook import install
-from .target_features import check_drafter_fits_target, extract_target_features, hidden_states_request
+from .stateful import stateful_generate
+from .target_features import check_drafter_fits_target
 
 __all__ = [
     "DSparkCandidateGenerator",
     "DSparkStats",
     "check_drafter_fits_target",
-    "extract_target_features",
-    "hidden_states_request",
     "install",
+    "stateful_generate",
 ]

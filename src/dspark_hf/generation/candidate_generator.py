@@ -1,7 +1,9 @@
 """`DSparkCandidateGenerator`: DSpark drafting inside transformers' own assisted-decoding loop (batch 1).
 
 transformers verifies the candidates (greedy match or `_speculative_sampling`); we hand it, per drafted token, the
-processed float32 logits the token was drawn from, so sampling stays exactly the target's distribution.
+processed float32 logits the token was drawn from, so sampling stays exactly the target's distribution. The target's
+hidden states come from a `TargetLayerTap` that is active around the target's forwards (`hook.py` opens it for the
+whole `generate()` call).
 """
 
 from __future__ import annotations
@@ -15,9 +17,9 @@ from transformers.cache_utils import DynamicCache
 from transformers.generation import CandidateGenerator, LogitsProcessorList
 from transformers.generation.stopping_criteria import StopStringCriteria
 
-from ..models import DSparkDraftModel
+from ..models import DSparkDraftModel, TargetLayerTap
 from .policy import VerifyLengthChooser, resolve_max_drafts, resolve_policy
-from .target_features import check_drafter_fits_target, extract_target_features, hidden_states_request
+from .target_features import check_drafter_fits_target
 
 
 @dataclass
@@ -58,7 +60,10 @@ class DSparkStats:
 
 
 class DSparkCandidateGenerator(CandidateGenerator):
-    """Proposes DSpark blocks from the target's hidden states (transformers' target-output protocol)."""
+    """Proposes DSpark blocks from the target's hidden states, read by `tap` (which must be active around the target's
+    forwards; a new, inactive one when not given). A forward may start before the drafter's context ends (a loop that
+    re-feeds tokens): features are located from the end of the last forward, which covered the candidates of the
+    last call."""
 
     requires_model_outputs = True
 
@@ -69,6 +74,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         generation_config: GenerationConfig,
         logits_processor: LogitsProcessorList,
         tokenizer=None,
+        tap: TargetLayerTap | None = None,
     ):
         check_drafter_fits_target(drafter.config, target)
         drafter.share_target_weights(target)
@@ -86,11 +92,11 @@ class DSparkCandidateGenerator(CandidateGenerator):
             if generation_config.stop_strings is not None and tokenizer is not None
             else None
         )
-        self.num_target_layers = target.config.get_text_config().num_hidden_layers
         self.verify_length = VerifyLengthChooser(resolve_policy(generation_config, drafter),
                                                  drafter.config.sts_temperatures,
                                                  resolve_max_drafts(generation_config, drafter))
-        self.model_kwargs_overrides = {"output_hidden_states": hidden_states_request(drafter.config)}
+        self.tap = tap if tap is not None else TargetLayerTap(target, drafter.config.target_layer_ids)
+        self.model_kwargs_overrides = {}
         self.cache = DynamicCache()
         self.context_length = 0  # target positions whose features are in the drafter cache
         self.stats = DSparkStats()
@@ -98,6 +104,7 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self._handed_over_at: float | None = None
         self._length_before_verify: int | None = None  # None: the last forward was the prefill
         self._verified_drafts: torch.LongTensor | None = None
+        self._forward_end = 0  # sequence length after the target's last forward (the candidates last handed over)
 
     # transformers calls this with keyword arguments (see `_assisted_decoding`).
     def get_candidates(
@@ -107,10 +114,14 @@ class DSparkCandidateGenerator(CandidateGenerator):
         model_outputs=None,
         is_first_iteration: bool = False,
         n_last_matches: int = 0,
+        max_drafts: int | None = None,
         **kwargs,
     ) -> tuple[torch.LongTensor, torch.Tensor | None]:
+        """Candidates `[input_ids, drafts]` and the processed logits each draft was drawn from. `max_drafts` caps the
+        verify length (our own loops pass it; transformers' loop does not)."""
         first = is_first_iteration or model_outputs is None
         if first and not self._ends_with_stop(input_ids):
+            self._forward_end = input_ids.shape[1]
             return input_ids, None  # the target prefills first; its hidden states arrive with the next call
         started = time.perf_counter()
         if self._handed_over_at is not None:
@@ -124,9 +135,9 @@ class DSparkCandidateGenerator(CandidateGenerator):
             features = torch.zeros(1, 0, self.drafter.fc.in_features, device=device, dtype=self.drafter.dtype)
             context_positions = torch.arange(0, device=device)[None]
         else:
-            new_context = anchor_position - self.context_length
-            features = extract_target_features(model_outputs.hidden_states, self.drafter.config, self.num_target_layers)
-            features = features[:, :new_context].to(device)
+            features = self.tap.features(device)
+            start = self.context_length - (self._forward_end - features.shape[1])
+            features = features[:, start : start + anchor_position - self.context_length]
             context_positions = torch.arange(self.context_length, anchor_position, device=device)[None]
             self.context_length = anchor_position
         block_positions = torch.arange(anchor_position, anchor_position + self.drafter.config.block_size, device=device)
@@ -145,13 +156,15 @@ class DSparkCandidateGenerator(CandidateGenerator):
         if first:  # never an empty candidate here (see above)
             num_tokens = max(self._stop_length(input_ids, tokens), 1)
         else:
+            available = self._stop_length(input_ids, tokens) if budget > 0 else 0
             num_tokens = self.verify_length(proposal.confidence_logits,
-                                            self._stop_length(input_ids, tokens) if budget > 0 else 0)
+                                            available if max_drafts is None else min(available, max_drafts))
 
         self.stats.draft_seconds.append(time.perf_counter() - started)
         self._handed_over_at = time.perf_counter()
         self._length_before_verify = input_ids.shape[1]
         self._verified_drafts = tokens[0, :num_tokens]
+        self._forward_end = input_ids.shape[1] + num_tokens
         self.stats.drafted.append(num_tokens)
         confidence = proposal.confidence_logits
         self.stats.confidence_logits.append(confidence[0, :num_tokens].cpu() if confidence is not None else torch.empty(0))

@@ -4,12 +4,14 @@ transformers (5.17 and later 5.x) has no public argument to choose a candidate g
 private `GenerationMixin` methods, and only changes their behaviour when the assistant is a `DSparkDraftModel`:
 
 - `_validate_generation_mode`: checks the drafter against the target and the generation arguments, with clear
-  errors, before any work;
+  errors, before any work (and lets stateful targets through: DSpark decodes them with its own loop);
 - `_get_candidate_generator`: returns a `DSparkCandidateGenerator` (batch size 1: transformers' own
   `_assisted_decoding` loop runs, we only draft);
 - `_assisted_decoding` (the decoding method `generate()` looks up for assisted generation, after preparing the
   config, masks, processors and stopping criteria): for batch size > 1 it runs `batched.batched_generate`, our
-  own loop with per-row verify lengths (transformers' loop is batch-1 only); batch size 1 goes on to the original.
+  own loop with per-row verify lengths (transformers' loop is batch-1 only); for a target flagged `_is_stateful`
+  (a cache that cannot be cropped) it runs `stateful.stateful_generate`; otherwise it goes on to the original with a
+  `TargetLayerTap` active around it (the candidate generator reads the target's hidden states from it).
 
 `install()` runs on `import dspark_hf`. It checks the transformers version and the three methods' signatures and
 refuses to patch a transformers it does not recognise, recording why in `DSparkDraftModel.hook_unavailable_reason`;
@@ -20,13 +22,15 @@ from __future__ import annotations
 
 import functools
 import inspect
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import transformers
 from packaging.version import Version
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GENERATION_MODES_MAPPING, GenerationMixin
 
-from ..models import DSparkDraftModel
+from ..models import DSparkDraftModel, TargetLayerTap
 from .candidate_generator import DSparkCandidateGenerator
 from .policy import register_generation_arguments, resolve_max_drafts, resolve_policy
 from .target_features import check_drafter_fits_target
@@ -38,7 +42,22 @@ _EXPECTED_PARAMETERS = {
     "_assisted_decoding": {"input_ids", "logits_processor", "stopping_criteria", "generation_config", "assistant_model"},
 }
 _INSTALLED_MARK = "__dspark_hf_hook__"
+_ACTIVE_TAP: ContextVar[TargetLayerTap | None] = ContextVar("dspark_hf_active_tap", default=None)
 
+
+@contextmanager
+def _stateful_flag_cleared(target):
+    """transformers refuses assisted generation for `_is_stateful` targets (its loop crops the cache); DSpark decodes
+    them with its own loop, so its validation runs with the flag shadowed by an instance attribute."""
+    own = target.__dict__.get("_is_stateful")
+    target._is_stateful = False
+    try:
+        yield
+    finally:
+        if own is None:
+            del target._is_stateful
+        else:
+            target._is_stateful = own
 
 
 def _validate_dspark_generation(target, generation_mode, generation_config, drafter: DSparkDraftModel) -> None:
@@ -92,6 +111,9 @@ def install() -> None:
         drafter = generation_mode_kwargs.get("assistant_model")
         if isinstance(drafter, DSparkDraftModel):
             _validate_dspark_generation(self, generation_mode, generation_config, drafter)
+            if self._is_stateful:
+                with _stateful_flag_cleared(self):
+                    return original_validate(self, generation_mode, generation_config, generation_mode_kwargs)
         return original_validate(self, generation_mode, generation_config, generation_mode_kwargs)
 
     @functools.wraps(original_get_generator)
@@ -108,20 +130,37 @@ def install() -> None:
                 f"{type(self).__name__} overrides the assisted-decoding loop, so batched DSpark decoding cannot run "
                 f"(got batch size {input_ids.shape[0]}). Call generate() per prompt."
             )
+        tap = _ACTIVE_TAP.get()
+        if tap is None:
+            raise ValueError(f"{type(self).__name__} overrides the assisted-decoding loop, so DSpark cannot read its "
+                             "hidden states; this target is not supported.")
         return DSparkCandidateGenerator(
-            self, assistant_model, generation_config, logits_processor, tokenizer=target_tokenizer
+            self, assistant_model, generation_config, logits_processor, tokenizer=target_tokenizer, tap=tap
         )
 
     @functools.wraps(original_assisted)
     def _assisted_decoding(self, input_ids, *args, **kwargs):
         drafter = kwargs.get("assistant_model")
-        if isinstance(drafter, DSparkDraftModel) and input_ids.shape[0] > 1:
+        if not isinstance(drafter, DSparkDraftModel):
+            return original_assisted(self, input_ids, *args, **kwargs)
+        if input_ids.shape[0] > 1:
             from .batched import batched_generate
 
             for name in ("assistant_model", "inputs_tensor", "assistant_tokenizer", "tokenizer"):
                 kwargs.pop(name, None)  # stop strings already are in the prepared stopping criteria
             return batched_generate(self, drafter, input_ids, *args, **kwargs)
-        return original_assisted(self, input_ids, *args, **kwargs)
+        if self._is_stateful:
+            from .stateful import stateful_generate
+
+            for name in ("assistant_model", "inputs_tensor", "assistant_tokenizer"):
+                kwargs.pop(name, None)
+            return stateful_generate(self, drafter, input_ids, *args, **kwargs)
+        with TargetLayerTap(self, drafter.config.target_layer_ids) as tap:
+            token = _ACTIVE_TAP.set(tap)
+            try:
+                return original_assisted(self, input_ids, *args, **kwargs)
+            finally:
+                _ACTIVE_TAP.reset(token)
 
     register_generation_arguments()
     setattr(_get_candidate_generator, _INSTALLED_MARK, True)

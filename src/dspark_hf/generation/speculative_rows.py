@@ -27,11 +27,10 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache
 
 from ..calibration import apply_sts
-from ..models import DSparkDraftModel
+from ..models import DSparkDraftModel, TargetLayerTap
 from ..scheduling import SchedulerPolicy
 from ..verify import VerifyResult
 from .ragged import RaggedBatch
-from .target_features import extract_target_features, hidden_states_request
 
 
 @dataclass
@@ -71,7 +70,11 @@ class RowSampler(Protocol):
 
 
 def check_batchable_target(target: PreTrainedModel) -> None:
-    """Per-row cache holes need full attention on every target layer (sliding windows count columns, not tokens)."""
+    """Per-row cache holes need full attention on every target layer (sliding windows count columns, not tokens) and
+    a cache that can be cut back (not a stateful target's)."""
+    if target._is_stateful:
+        raise ValueError(f"Batched DSpark decoding needs a target whose cache can be cut back after rejected drafts; "
+                         f"{type(target).__name__} is stateful. Call generate() per prompt (batch size 1) for it.")
     text = target.config.get_text_config()
     layer_types = getattr(text, "layer_types", None)
     if layer_types is not None:
@@ -119,8 +122,7 @@ class SpeculativeRows:
         self.speculate = drafter is not None
         self.rows: list[Row] = []
         self.state: RaggedBatch | None = None
-        self.num_layers = target.config.get_text_config().num_hidden_layers
-        self.request = hidden_states_request(drafter.config) if drafter is not None else None
+        self.tap = TargetLayerTap(target, drafter.config.target_layer_ids) if drafter is not None else None
         self.confidence_history: list[torch.Tensor] = []  # the asynchronous policy reads confidences 2 rounds old
         self.device = target.device
 
@@ -129,13 +131,11 @@ class SpeculativeRows:
         kwargs = dict(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
         if keep_last_only:
             kwargs["logits_to_keep"] = 1
-        if self.speculate:
-            kwargs["output_hidden_states"] = self.request
-        out = self.target(**kwargs)
-        features = None
-        if self.speculate:
-            features = extract_target_features(out.hidden_states, self.drafter.config, self.num_layers)
-        return out.logits.float(), features
+        if not self.speculate:
+            return self.target(**kwargs).logits.float(), None
+        with self.tap:
+            logits = self.target(**kwargs).logits.float()
+            return logits, self.tap.features()
 
     # ------------------------------------------------------------------ admission
     @torch.no_grad()

@@ -1,7 +1,8 @@
 """Online target features: the frozen target's hidden states at `target_layer_ids` plus its final hidden state.
 
-The features are the raw outputs of decoder layers (`hidden_states[i]` of transformers' `output_hidden_states=[ids]`
-is the output of layer i), concatenated in `target_layer_ids` order -- exactly what generation feeds the drafter.
+The features are the raw outputs of decoder layers (the target's last layer included), read by the same
+`models.TargetLayerTap` as generation and concatenated in `target_layer_ids` order -- exactly what generation feeds the
+drafter.
 The final hidden state is the target's post-final-norm last hidden state; through the target's LM head it gives the
 aligned target distribution of the TV loss.
 
@@ -18,6 +19,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
+from ..models import TargetLayerTap, layer_id_problems
+
 
 @dataclass
 class TargetFeatures:
@@ -28,14 +31,9 @@ class TargetFeatures:
 
 
 def validate_target_layer_ids(target_layer_ids: list[int], num_layers: int) -> None:
-    for layer_id in target_layer_ids:
-        if layer_id == num_layers - 1:
-            raise ValueError(
-                f"target_layer_ids contains {layer_id}, the target's last layer: transformers returns it after the "
-                f"final norm at inference, so training on it would not match; use layers -1..{num_layers - 2}."
-            )
-        if not -1 <= layer_id < num_layers - 1:
-            raise ValueError(f"target_layer_ids contains {layer_id}, outside the target's layers -1..{num_layers - 2}.")
+    problems = layer_id_problems(target_layer_ids, num_layers)
+    if problems:
+        raise ValueError("; ".join(problems) + ".")
 
 
 def default_target_layer_ids(num_layers: int, num_draft_layers: int) -> list[int]:
@@ -51,22 +49,15 @@ class TargetFeatureExtractor:
 
     def __init__(self, target: PreTrainedModel, target_layer_ids: list[int]):
         self.target = target
-        self.num_layers = target.config.get_text_config().num_hidden_layers
-        validate_target_layer_ids(list(target_layer_ids), self.num_layers)
-        self.target_layer_ids = list(target_layer_ids)
-        self.request = True if -1 in self.target_layer_ids else sorted(set(self.target_layer_ids))
+        self.tap = TargetLayerTap(target, target_layer_ids)
         target.requires_grad_(False)
         target.eval()
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None) -> TargetFeatures:
-        backbone = self.target.base_model
-        output = backbone(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=self.request,
-                          use_cache=False)
-        states = output.hidden_states
-        shift = 1 if len(states) == self.num_layers + 1 else 0
-        parts = [states[i + shift] for i in self.target_layer_ids]
-        return TargetFeatures(hidden=torch.cat(parts, dim=-1), last_hidden=output.last_hidden_state)
+        with self.tap:
+            output = self.target.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            return TargetFeatures(hidden=self.tap.features(), last_hidden=output.last_hidden_state)
 
     def target_logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
         """The target's next-token logits (float32) from its post-norm last hidden states."""
