@@ -10,7 +10,9 @@ with their weights on "meta" until a forward loads them), or quantized (bitsandb
   `TargetHeadView`) that computes on the weight's own device, loading an offloaded weight for the duration of the
   call exactly as the target's forward does, and moves only the small result (embedded block rows, block logits) to
   the drafter. A quantized LM head is called as a module (a bitsandbytes `Linear4bit`/`Linear8bitLt` computes
-  `x @ W.T` with its dequantized weight); a quantized embedding cannot be looked up and is refused.
+  `x @ W.T` with its dequantized weight); a quantized embedding cannot be looked up and is refused. A head sharded
+  by tensor parallelism (`tp_plan="auto"`, a `DTensor` weight) is called as a module too: its hooks gather the full
+  logits on every rank, and every rank drafts the same tokens.
 
 The drafter's draft probabilities stay exactly the distribution its tokens are drawn from wherever these weights
 live, so verification stays lossless; only the drafter's acceptance can change with the target's numerics.
@@ -77,6 +79,17 @@ def is_quantized(module: nn.Module) -> bool:
     )
 
 
+def is_distributed(module: nn.Module) -> bool:
+    """Whether the module's weight is a `DTensor` (sharded by transformers' tensor parallel, `tp_plan="auto"`): its
+    forward, with the tensor-parallel hooks, computes the full result on every rank."""
+    weight = getattr(module, "weight", None)
+    if weight is None or not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(weight, DTensor)
+
+
 def logical_shape(module: nn.Module) -> tuple[int, ...]:
     """The weight shape a module computes with (a quantized weight is stored packed)."""
     if isinstance(module, nn.Embedding):
@@ -119,8 +132,12 @@ class TargetEmbeddingView(nn.Module):
 
     def forward(self, input_ids: torch.LongTensor) -> torch.Tensor:
         unique, inverse = torch.unique(input_ids, return_inverse=True)
-        with loaded_weight(self.target_module) as weight:
-            rows = weight[unique.to(weight.device)].to(input_ids.device)
+        if is_distributed(self.target_module):  # a plain nn.Embedding (checked when shared): its forward is the lookup
+            device = execution_device(self.target_module) or input_ids.device
+            rows = self.target_module(unique.to(device)).to(input_ids.device)
+        else:
+            with loaded_weight(self.target_module) as weight:
+                rows = weight[unique.to(weight.device)].to(input_ids.device)
         return functional_call(self.own, {"weight": rows}, (inverse,))
 
 
@@ -138,7 +155,7 @@ class TargetHeadView(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         module = self.target_module
-        if is_quantized(module):
+        if is_quantized(module) or is_distributed(module):
             device = execution_device(module) or hidden_states.device
             return module(hidden_states.to(device)).to(hidden_states.device)
         with loaded_weight(module) as weight:
@@ -211,6 +228,8 @@ def _same_values(ours: nn.Module, theirs: nn.Module) -> bool:
     with loaded_weight(theirs) as weight:
         if weight.dtype != mine.dtype or weight.shape != mine.shape:
             return False
+        if is_distributed(theirs):
+            weight = weight.full_tensor()  # a collective: every rank shares at the same point
         return all(
             torch.equal(weight[start:start + _COMPARE_ROWS].to(mine.device), mine[start:start + _COMPARE_ROWS])
             for start in range(0, mine.shape[0], _COMPARE_ROWS)
@@ -232,7 +251,8 @@ def share_target_weights(drafter: nn.Module, target: nn.Module) -> list[str]:
             if needed:
                 raise ValueError(f"The drafter has no {name} weights and the target exposes none to share.")
             continue
-        direct = not is_quantized(theirs) and not is_offloaded(theirs) and theirs.weight.device == home
+        direct = (not is_quantized(theirs) and not is_offloaded(theirs) and not is_distributed(theirs)
+                  and theirs.weight.device == home)
         if getattr(ours, "target_module", None) is theirs or (ours.weight is theirs.weight and direct):
             shared.append(name)
             continue
@@ -251,6 +271,11 @@ def share_target_weights(drafter: nn.Module, target: nn.Module) -> list[str]:
                 f"The target's input embedding is quantized ({type(theirs).__name__}, {theirs.weight.dtype}); the "
                 "drafter needs float embedding rows. Keep the target's embedding unquantized (bitsandbytes does by "
                 "default) or use a drafter checkpoint that includes its own embed_tokens."
+            )
+        if name == "embed_tokens" and is_distributed(theirs) and type(theirs) is not nn.Embedding:
+            raise ValueError(
+                f"The target's input embedding is sharded by tensor parallelism and is a {type(theirs).__name__}, "
+                "whose forward may do more than a lookup; use a drafter checkpoint that includes its own embed_tokens."
             )
         if direct:
             ours.weight = theirs.weight  # the same Parameter: no second vocab matrix in memory
