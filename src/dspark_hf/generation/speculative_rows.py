@@ -135,7 +135,7 @@ class SpeculativeRows:
             return self.target(**kwargs).logits.float(), None
         with self.tap:
             logits = self.target(**kwargs).logits.float()
-            return logits, self.tap.features()
+            return logits, self.tap.features(self.drafter.device)  # each tapped layer moves only if on another device
 
     # ------------------------------------------------------------------ admission
     @torch.no_grad()
