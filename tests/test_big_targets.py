@@ -173,6 +173,26 @@ def test_a_drafter_placed_by_the_user_stays(monkeypatch):
     assert placement.place_next_to_target(drafter, target) == torch.device("cuda", 0) and len(moves) == 1
 
 
+def test_target_without_tappable_layers_is_refused_before_any_forward():
+    """A target whose decoder layers are not a `layers` list (as a backend that re-wraps or fuses them may leave it):
+    its hidden states cannot be tapped, so generate() (batch 1 and 2) and the engine refuse it before any forward."""
+    target = tiny_target(vocab_size=VOCAB)
+    drafter = tiny_drafter(target)
+    target.model.layers = torch.nn.Sequential(*target.model.layers)  # still runs: plain generate() works
+    forwards = []
+    target.register_forward_pre_hook(lambda *args: forwards.append(1))
+    ids, mask = left_padded(PROMPTS)
+    for call in (lambda: target.generate(ids[:1], max_new_tokens=4, assistant_model=drafter),
+                 lambda: target.generate(ids, attention_mask=mask, max_new_tokens=4, assistant_model=drafter,
+                                         pad_token_id=0),
+                 lambda: DSparkEngine(target, drafter)):
+        with pytest.raises(ValueError, match="decoder layers"):
+            call()
+    assert not forwards
+    target.generate(ids[:1], max_new_tokens=2)
+    assert forwards
+
+
 # ---------------------------------------------------------------------------------------------- bitsandbytes
 def bnb_config(bits: int, **kwargs):
     from transformers import BitsAndBytesConfig
