@@ -124,6 +124,24 @@ def test_first_draft_reads_the_whole_prompt():
     assert seen[-1][2] < out.shape[1]
 
 
+def test_a_tap_on_the_last_layer_reads_it_before_the_final_norm(monkeypatch):
+    """transformers returns the last layer only after the final norm; the drafter gets the raw layer output, and stays
+    lossless. Checked hook-free: with the final norm replaced by the identity, `hidden_states[-1]` is that output."""
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target, block_size=4, target_layer_ids=(0, 3))
+    seen = []
+    original = drafter.draft
+    drafter.draft = lambda anchor, features, cache, **kwargs: seen.append(features) or original(anchor, features, cache,
+                                                                                                   **kwargs)
+    ids = prompts(96, count=1, seed=5)[0]
+    out = target.generate(ids, max_new_tokens=10, do_sample=False, assistant_model=drafter)
+    assert torch.equal(out, target.generate(ids, max_new_tokens=10, do_sample=False))
+    monkeypatch.setattr(target.model, "norm", torch.nn.Identity())
+    with torch.no_grad():
+        raw = target(ids, output_hidden_states=True).hidden_states  # embedding output first: layer i at i + 1
+    torch.testing.assert_close(seen[0], torch.cat([raw[1], raw[4]], dim=-1))
+
+
 def test_stop_strings_cut_where_plain_decoding_stops():
     """A stop string completed inside an accepted draft ends generation at the same token as plain decoding."""
     tokenizer = char_tokenizer()

@@ -1,0 +1,108 @@
+"""Targets whose cache cannot be cropped (`_is_stateful`): generate() runs dspark_hf's stateful loop (cache copy before
+verifying, restore and re-feed after a partial accept) and stays lossless. A plain Qwen3 flagged stateful isolates the
+loop; a tiny Qwen3-Next (linear-attention layers whose conv and recurrent states are updated in place) is a real
+hybrid. DeepSeek-V4 targets are in test_formats_v4.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_generation_sampling import ALPHA, NEW_TOKENS, PROMPT, VOCAB, chi_square_p_value, exact_distribution, oracle_drafter
+from tiny_models import install_bigram_oracle, make_bigram_like, tiny_drafter, tiny_target
+from transformers import LogitsProcessorList, Qwen3NextConfig, Qwen3NextForCausalLM
+from transformers.cache_utils import DynamicCache
+
+import dspark_hf.generation.stateful as stateful
+
+NEW = 24
+
+
+def stateful_qwen3(**kwargs):
+    target = make_bigram_like(tiny_target("qwen3", eos_token_id=None, **kwargs), damping=0.3)
+    target._is_stateful = True  # as transformers flags recurrent / compressor models
+    return target
+
+
+def qwen3_next():
+    config = Qwen3NextConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
+        linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, shared_expert_intermediate_size=16,
+        layer_types=["linear_attention", "full_attention"] * 2, eos_token_id=None, pad_token_id=None, bos_token_id=None,
+    )
+    torch.manual_seed(0)
+    return make_bigram_like(Qwen3NextForCausalLM(config).eval(), damping=0.3)
+
+
+@pytest.fixture
+def never_cropped(monkeypatch):
+    """Fails the test if anything crops a cache (the stateful loop never does)."""
+    monkeypatch.setattr(DynamicCache, "crop", lambda *a, **k: pytest.fail("a stateful target's cache was cropped"))
+
+
+@pytest.mark.parametrize("build", [stateful_qwen3, qwen3_next], ids=["qwen3-flagged-stateful", "qwen3-next"])
+def test_stateful_target_is_lossless(build, never_cropped):
+    target = build()
+    assert target._is_stateful
+    drafters = {"random": tiny_drafter(target, block_size=4, target_layer_ids=(1, 3)),
+                "oracle": install_bigram_oracle(tiny_drafter(target, block_size=4, markov_rank=96,
+                                                             target_layer_ids=(1, 3)), target)}
+    rounds = {name: [] for name in drafters}
+    generator = torch.Generator().manual_seed(3)
+    for n in (1, 7, 19):
+        ids = torch.randint(4, 96, (1, n), generator=generator)
+        reference = target.generate(ids, max_new_tokens=NEW, do_sample=False)
+        for name, drafter in drafters.items():
+            out = target.generate(ids, max_new_tokens=NEW, do_sample=False, assistant_model=drafter)
+            assert torch.equal(out, reference), (name, n)
+            rounds[name] += list(zip(drafter.generation_stats.drafted[:-1], drafter.generation_stats.accepted[:-1]))
+    assert any(0 < a < d for d, a in rounds["oracle"]) and any(0 < a == d for d, a in rounds["oracle"])
+    assert (0, 0) in rounds["random"]  # re-fed tokens reached the limit: a round verified no drafts
+
+
+def test_refeed_limit_bounds_the_verify_forward(monkeypatch):
+    """Re-fed tokens grow over consecutive partial accepts until a round verifies no drafts and commits them: with a
+    limit of one block (4), a forward feeds at most 3 re-fed tokens + anchor + 4 drafts, or (flush) < 9 + anchor."""
+    target = stateful_qwen3()
+    drafter = tiny_drafter(target, block_size=4)
+    monkeypatch.setattr(stateful, "MAX_REFEED_BLOCKS", 1)
+    ids = torch.tensor([[5, 9, 11]])
+    reference = target.generate(ids, max_new_tokens=NEW, do_sample=False)
+    widths = []
+    original = target.forward
+    monkeypatch.setattr(target, "forward", lambda *a, **k: widths.append(k["input_ids"].shape[1]) or original(*a, **k))
+    out = target.generate(ids, max_new_tokens=NEW, do_sample=False, assistant_model=drafter)
+    assert torch.equal(out, reference)
+    assert widths[0] == 3 and max(widths[1:]) <= 9 and max(widths[1:]) > 5  # prefill, then bounded rounds
+    assert (0, 0) in zip(drafter.generation_stats.drafted, drafter.generation_stats.accepted)
+
+
+@pytest.mark.slow
+def test_stateful_sampling_matches_target_distribution():
+    """The chi-square test of test_generation_sampling.py (same N, same ALPHA) through the stateful loop."""
+    target = make_bigram_like(tiny_target("qwen3", vocab_size=VOCAB, eos_token_id=None), damping=0.3)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(6.0)
+    target._is_stateful = True
+    drafter = oracle_drafter(target, scale=3.0)
+    num_samples = 2500
+    torch.manual_seed(2024)
+    counts, committed = {}, []
+    for _ in range(num_samples):
+        out = target.generate(PROMPT, do_sample=True, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                              assistant_model=drafter, top_k=0)
+        cell = tuple(out[0, PROMPT.shape[1]:].tolist())
+        counts[cell] = counts.get(cell, 0) + 1
+        committed += drafter.generation_stats.committed
+    p_value = chi_square_p_value(counts, exact_distribution(target, LogitsProcessorList()), num_samples)
+    assert p_value > ALPHA, p_value
+    assert 1.1 < sum(committed) / len(committed) < 1.9  # accepts and rejections both happened
+
+
+def test_batched_generate_refuses_a_stateful_target():
+    target = stateful_qwen3()
+    drafter = tiny_drafter(target)
+    with pytest.raises(ValueError, match="stateful"):
+        target.generate(torch.tensor([[5, 6], [7, 8]]), attention_mask=torch.ones(2, 2, dtype=torch.long),
+                        max_new_tokens=4, assistant_model=drafter)
