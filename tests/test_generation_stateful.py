@@ -61,6 +61,27 @@ def test_stateful_target_is_lossless(build, never_cropped):
     assert (0, 0) in rounds["random"]  # re-fed tokens reached the limit: a round verified no drafts
 
 
+def test_stateful_target_stops_at_eos_like_plain_decoding(never_cropped):
+    """eos inside accepted drafts, prompts that end in eos, a repetition penalty: same tokens as plain decoding."""
+    target = make_bigram_like(tiny_target("qwen3", vocab_size=48), damping=0.05)
+    with torch.no_grad():
+        eos = int(target(torch.arange(48)[:, None]).logits[:, -1].argmax(-1).mode().values)  # a frequent next token
+    target.generation_config.eos_token_id = eos
+    target._is_stateful = True
+    drafter = install_bigram_oracle(tiny_drafter(target, block_size=7, markov_rank=48), target)
+    generator = torch.Generator().manual_seed(1)
+    stopped = 0
+    for i in range(12):
+        ids = torch.randint(0, 48, (1, int(torch.randint(1, 10, (1,), generator=generator))), generator=generator)
+        if i % 4 == 0:
+            ids[0, -1] = eos
+        kwargs = dict(max_new_tokens=20, do_sample=False, repetition_penalty=1.3 if i % 2 else 1.0)
+        reference = target.generate(ids, **kwargs)
+        assert torch.equal(target.generate(ids, assistant_model=drafter, **kwargs), reference), i
+        stopped += int(reference[0, -1] == eos and reference.shape[1] < ids.shape[1] + 20)
+    assert stopped >= 6
+
+
 def test_refeed_limit_bounds_the_verify_forward(monkeypatch):
     """Re-fed tokens grow over consecutive partial accepts until a round verifies no drafts and commits them: with a
     limit of one block (4), a forward feeds at most 3 re-fed tokens + anchor + 4 drafts, or (flush) < 9 + anchor."""
