@@ -14,7 +14,7 @@ from tokenizers.models import WordLevel
 from transformers import LogitsProcessorList, PreTrainedTokenizerFast, TemperatureLogitsWarper
 
 import dspark_hf  # noqa: F401
-from dspark_hf.scheduling import SPSTable
+from dspark_hf.scheduling import SpeculationGuard, SPSTable
 from dspark_hf.serving import DSparkEngine
 
 VOCAB_SIZE = 48
@@ -129,7 +129,7 @@ def test_random_arrivals_and_cancellations(models):
 def test_policies_give_per_request_verify_lengths_and_stay_exact(models, policy, kwargs):
     target, drafter = models
     engine = DSparkEngine(target, drafter, policy=policy, max_batch_size=8, default_sampling={"temperature": 0},
-                          **kwargs)
+                          speculation_guard=False, **kwargs)  # the guard's timing-driven plain rounds: tested below
     rng = random.Random(7)
     handles = [engine.add_request([rng.randrange(4, VOCAB_SIZE) for _ in range(rng.randint(1, 11))],
                                   max_tokens=rng.randint(5, 25)) for _ in range(10)]
@@ -223,3 +223,42 @@ def test_engine_sampling_matches_target_distribution():
         assert chi_square_p_value(counts, exact_distribution(target, processors, prompt), copies) > ALPHA
     accepted = [n for entry in engine.round_log for n in entry["accepted"]]
     assert 0 < sum(accepted) < len(accepted) * 2  # some drafts accepted, some rejected
+
+
+class AlternatingGuard(SpeculationGuard):
+    """Drafts every other round, whatever the timings (exercises plain rounds inside a speculative engine)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def should_draft(self, batch_size: int) -> bool:
+        self.calls += 1
+        return self.calls % 2 == 1
+
+
+def test_plain_rounds_chosen_by_the_guard_stay_exact(models):
+    target, drafter = models
+    engine = DSparkEngine(target, drafter, policy="hardware_aware", max_batch_size=4,
+                          sps_table=SPSTable([1, 4, 16, 64], [1.0, 0.9, 0.6, 0.2]), speculation_guard=AlternatingGuard(),
+                          default_sampling={"temperature": 0})
+    rng = random.Random(3)
+    handles = [engine.add_request([rng.randrange(4, VOCAB_SIZE) for _ in range(rng.randint(1, 9))],
+                                  max_tokens=rng.randint(8, 30)) for _ in range(7)]
+    engine.run()
+    for handle in handles:
+        assert handle.tokens == solo(target, handle.prompt_ids, handle.params.max_tokens)
+    kinds = [entry["speculative"] for entry in engine.round_log]
+    assert kinds[:4] == [True, False, True, False]
+    assert max(n for entry in engine.round_log if entry["speculative"] for n in entry["accepted"]) > 1
+    assert all(set(entry["verify"]) == {0} for entry in engine.round_log if not entry["speculative"])
+
+
+def test_guard_on_by_default_for_hardware_aware_only(models):
+    target, drafter = models
+    table = SPSTable([1, 4, 16, 64], [1.0, 0.9, 0.6, 0.2])
+    assert isinstance(DSparkEngine(target, drafter, policy="hardware_aware", sps_table=table).runner.guard,
+                      SpeculationGuard)
+    assert DSparkEngine(target, drafter, policy="fixed").runner.guard is None
+    assert DSparkEngine(target, drafter, policy="hardware_aware", sps_table=table,
+                        speculation_guard=False).runner.guard is None

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -28,7 +29,7 @@ from transformers.cache_utils import DynamicCache
 
 from ..calibration import apply_sts
 from ..models import DSparkDraftModel, TargetLayerTap
-from ..scheduling import SchedulerPolicy
+from ..scheduling import SchedulerPolicy, SpeculationGuard
 from ..verify import VerifyResult
 from .ragged import RaggedBatch
 
@@ -114,16 +115,18 @@ class SpeculativeRows:
     gives plain batched decoding through the same code (the no-speculation baseline)."""
 
     def __init__(self, target: PreTrainedModel, drafter: DSparkDraftModel | None, sampler: RowSampler,
-                 policy: SchedulerPolicy | None = None, sts_temperatures=None, compact_threshold: float = 0.5):
+                 policy: SchedulerPolicy | None = None, sts_temperatures=None, compact_threshold: float = 0.5,
+                 guard: SpeculationGuard | None = None):
         check_batchable_target(target)
         self.target, self.drafter, self.sampler = target, drafter, sampler
-        self.policy, self.sts_temperatures = policy, sts_temperatures
+        self.policy, self.sts_temperatures, self.guard = policy, sts_temperatures, guard
         self.compact_threshold = compact_threshold
         self.speculate = drafter is not None
         self.rows: list[Row] = []
         self.state: RaggedBatch | None = None
         self.tap = TargetLayerTap(target, drafter.config.target_layer_ids) if drafter is not None else None
         self.confidence_history: list[torch.Tensor] = []  # the asynchronous policy reads confidences 2 rounds old
+        self.drafted_last_round = False
         self.device = target.device
 
     # ------------------------------------------------------------------ forward helpers
@@ -241,7 +244,10 @@ class SpeculativeRows:
         """One round for every row; returns the tokens each row committed (accepted drafts + one more)."""
         state, rows = self.state, self.rows
         drafts = None
-        if self.speculate:
+        started = time.perf_counter()
+        draft_now = self.speculate and (self.guard is None or self.guard.should_draft(state.size))
+        self.drafted_last_round = draft_now
+        if draft_now:
             drafted = self._draft()
             if drafted is not None:
                 tokens, draft_logits, confidence = drafted
@@ -277,6 +283,8 @@ class SpeculativeRows:
             row.drafted.append(length)
             row.accepted.append(n)
             committed.append(out[: n + 1])
+        if self.guard is not None and self.speculate:  # the .tolist() above waited for the device: wall time is real
+            self.guard.record(len(rows), draft_now, time.perf_counter() - started, sum(map(len, committed)))
         return committed
 
 

@@ -12,6 +12,7 @@ from .policies import (
     static_threshold,
     top_k_prefix,
 )
+from .guard import SpeculationGuard
 from .sps import SPSTable
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "SPSLike",
     "SPSTable",
     "SchedulerPolicy",
+    "SpeculationGuard",
     "async_capacity",
     "fixed_length",
     "get_policy",

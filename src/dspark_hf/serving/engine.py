@@ -30,7 +30,7 @@ from ..generation.policy import resolve_policy
 from ..generation.speculative_rows import Row, SpeculativeRows, check_batchable_target, ragged_drafts, ragged_rows
 from ..generation.target_features import check_drafter_fits_target
 from ..models import DSparkDraftModel
-from ..scheduling import SchedulerPolicy, SPSTable, get_policy
+from ..scheduling import SchedulerPolicy, SpeculationGuard, SPSTable, get_policy
 from ..verify import VerifyResult, verify
 from ..verify.reference import processed_scores
 from .requests import Request, RequestOutput, SamplingParams, prompt_token_ids
@@ -115,12 +115,16 @@ class DSparkEngine:
         max_model_len: context limit (default: the target's `max_position_embeddings`).
         seed: seeds the engine's random generator (draft sampling and verification noise).
         default_sampling: defaults for `add_request`'s sampling arguments (e.g. `{"temperature": 0}`).
+        speculation_guard: plain rounds instead of speculative ones while drafting does not pay at the current
+            batch size, measured online (`scheduling.SpeculationGuard`). Default (None): on for the hardware-aware
+            policies, off for the others (a fixed γ means every round drafts). True / False / a guard instance.
     """
 
     def __init__(self, target: PreTrainedModel, drafter: DSparkDraftModel | None = None, tokenizer=None, *,
                  policy: str | SchedulerPolicy | None = None, gamma: int | None = None, threshold: float | None = None,
                  sps_table: SPSTable | str | None = None, max_batch_size: int = 64, max_model_len: int | None = None,
-                 seed: int = 0, default_sampling: dict | None = None, compact_threshold: float = 0.5):
+                 seed: int = 0, default_sampling: dict | None = None, compact_threshold: float = 0.5,
+                 speculation_guard: bool | SpeculationGuard | None = None):
         check_batchable_target(target)
         if drafter is not None:
             check_drafter_fits_target(drafter.config, target)
@@ -138,12 +142,16 @@ class DSparkEngine:
         eos = target.generation_config.eos_token_id
         self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self.generator = torch.Generator(device=target.device).manual_seed(seed)
+        if speculation_guard is None:
+            speculation_guard = scheduler is not None and scheduler.name.startswith("hardware_aware")
+        if speculation_guard is True:
+            speculation_guard = SpeculationGuard()
         self.runner = SpeculativeRows(target, drafter if speculate else None, RequestSampler(self.generator),
                                       scheduler, drafter.config.sts_temperatures if drafter is not None else None,
-                                      compact_threshold=compact_threshold)
+                                      compact_threshold=compact_threshold, guard=speculation_guard or None)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
-        self.round_log: list[dict] = []  # per round: batch size, verify lengths, accepted, seconds
+        self.round_log: list[dict] = []  # per round: batch, verify lengths, accepted, drafted?, width, holes, seconds
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._stop_criteria: dict[tuple[str, ...], StopStringCriteria] = {}
@@ -260,9 +268,11 @@ class DSparkEngine:
         if self.runner.rows:
             rows = list(self.runner.rows)
             committed = self.runner.step()
+            state = self.runner.state
             self.round_log.append(dict(batch=len(rows), verify=[row.drafted[-1] for row in rows],
                                        accepted=[row.accepted[-1] for row in rows],
-                                       seconds=time.perf_counter() - started))
+                                       speculative=self.runner.drafted_last_round, width=state.width,
+                                       holes=state.hole_fraction(), seconds=time.perf_counter() - started))
             self.runner.remove(self._deliver(rows, committed))
         return True
 

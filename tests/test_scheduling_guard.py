@@ -1,0 +1,50 @@
+"""SpeculationGuard: drafts only while speculative rounds are not slower per token, per batch-size bucket."""
+
+import pytest
+
+from dspark_hf.scheduling import SpeculationGuard
+
+
+def drive(guard: SpeculationGuard, rounds: int, batch: int, spec_cost: float, plain_cost: float) -> list[bool]:
+    """`rounds` decisions with fixed seconds per committed token for each kind of round."""
+    kinds = []
+    for _ in range(rounds):
+        drafted = guard.should_draft(batch)
+        kinds.append(drafted)
+        guard.record(batch, drafted, (spec_cost if drafted else plain_cost) * 10, 10)
+    return kinds
+
+
+def test_measures_both_kinds_then_keeps_the_faster_and_probes_the_other():
+    guard = SpeculationGuard(probe_every=8)
+    kinds = drive(guard, 40, batch=4, spec_cost=0.5, plain_cost=1.0)
+    assert kinds[:2] == [True, False]  # one measurement of each kind first
+    assert kinds[2:].count(False) == len(kinds[2:]) // 8  # only the periodic probes are plain
+    guard = SpeculationGuard(probe_every=8)
+    kinds = drive(guard, 40, batch=4, spec_cost=2.0, plain_cost=1.0)
+    assert kinds[2:].count(True) == len(kinds[2:]) // 8  # drafting does not pay: plain rounds but for probes
+
+
+def test_follows_a_change_in_cost_and_keeps_buckets_apart():
+    guard = SpeculationGuard(probe_every=4, window=3)
+    drive(guard, 20, batch=3, spec_cost=0.5, plain_cost=1.0)
+    assert drive(guard, 1, batch=3, spec_cost=0.5, plain_cost=1.0) == [True]
+    kinds = drive(guard, 40, batch=3, spec_cost=3.0, plain_cost=1.0)  # load went up: drafting stopped paying
+    assert kinds[-8:].count(True) <= 2
+    assert drive(guard, 2, batch=200, spec_cost=3.0, plain_cost=1.0) == [True, False]  # bucket 256: fresh start
+    assert set(guard.summary()) == {4, 256}
+
+
+def test_one_stall_does_not_flip_the_decision():
+    guard = SpeculationGuard(probe_every=100, window=5)
+    drive(guard, 6, batch=1, spec_cost=0.5, plain_cost=1.0)
+    guard.record(1, True, 50.0, 1)  # e.g. a kernel compiled during this round
+    assert guard.should_draft(1)
+
+
+def test_rounds_without_tokens_are_ignored_and_arguments_checked():
+    guard = SpeculationGuard()
+    guard.record(2, True, 1.0, 0)
+    assert guard.summary() == {}
+    with pytest.raises(ValueError):
+        SpeculationGuard(probe_every=1)
