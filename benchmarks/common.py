@@ -73,6 +73,23 @@ def stdlib_code_prompts(count: int, lines: int = 30) -> list[str]:
     return prompts
 
 
+QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=True)
+
+
+def load_target(name: str, dtype: torch.dtype, device: str):
+    """`code50m` (the 50M code fixture) or `qwen3-4b-shape` (random init, Qwen3-4B's shapes: timing only)."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    if name == "code50m":
+        return AutoModelForCausalLM.from_pretrained(materialize_fixture("code-llama-50m"), dtype=dtype).to(device)
+    if name == "qwen3-4b-shape":
+        with torch.device(device):
+            return AutoModelForCausalLM.from_config(Qwen3Config(**QWEN3_4B), dtype=dtype)
+    raise ValueError(f"unknown model {name!r}")
+
+
 def write_json(name: str, payload: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / name

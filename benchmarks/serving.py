@@ -1,23 +1,37 @@
 """Serving benchmark: DSparkEngine tokens/s vs concurrency for no speculation, fixed γ, a static threshold and the
-hardware-aware scheduler, plus the distribution of per-request verify lengths.
+hardware-aware scheduler; per-request verify lengths; where a round's time goes; padded batch vs transformers' paged
+continuous batching.
 
-    # on the H200 (bf16 target + published drafter; profiles the SPS table first unless --sps-table is given)
-    PYTHONPATH=src python benchmarks/serving.py --target Qwen/Qwen3-8B \
-        --drafter deepseek-ai/dspark_qwen3_8b_block7 --out benchmarks/results/serving_h200.json
+    # on the H200, one model per run (each run merges its entry into the same JSON):
+    PYTHONPATH=src python benchmarks/serving.py --model code50m          # fixture + trained drafter; records a trace
+    PYTHONPATH=src python benchmarks/serving.py --model qwen3-4b-shape   # random init, acceptance replayed (timing)
     # CPU smoke test with tiny random models (writes to a temp dir; never commit its output)
-    PYTHONPATH=src python benchmarks/serving.py --smoke
+    PYTHONPATH=src python benchmarks/serving.py --model smoke
 
-Protocol (closed loop): for each concurrency c and policy, 2·c requests (at least --min-requests) with the same
-prompts and `max_tokens` are queued at once into an engine with `max_batch_size=c`, so c requests decode at a time
-and waiting ones join as others finish. One warm-up run per policy precedes the timed runs. tokens/s = generated
-tokens / wall-clock seconds. The JSON records every (policy, c) cell, the verify-length histogram, τ, and the two
-summary ratios: `scheduler_vs_best_static_min_ratio` (min over c of hardware-aware / best of the static policies)
-and `scheduler_vs_nospec_min_ratio` (min over c of hardware-aware / no speculation).
+Models:
+- `code50m`: the 50M code fixture (bf16) and its trained DSpark drafter (`drafters/code50m-dspark`), HumanEval
+  prompts: real acceptance. Its fixed-γ=7 rounds are recorded as an acceptance trace: per request-round, the
+  drafter's 7 confidence logits and how many of the 7 drafts the target accepted.
+- `qwen3-4b-shape`: a random-init target with Qwen3-4B's shapes and a random DeepSpec-shaped drafter (5 layers,
+  Markov rank 256, confidence head). Random weights accept nothing, so every request-round replays a random
+  recorded trace entry: the policy sees the recorded confidences and the round accepts min(l_r, recorded count).
+  The target and drafter forwards and the verification run for real at their true shapes: **timing only**.
+
+Protocol (closed loop): for each concurrency c and policy, max(c, --min-requests) requests with `max_tokens`
+(`ignore_eos`: every request generates exactly that many) are queued at once into an engine with `max_batch_size=c`.
+A short warm-up run (8 tokens, same concurrency and policy) precedes each timed run. tokens/s = generated tokens / wall-clock seconds. The SPS table of
+the hardware-aware policy is profiled in the same run. `hf_paged` is transformers' own continuous batching
+(`generate_batch`, paged attention, no speculation, CUDA graphs off like ours) on the same requests: the
+padded-vs-paged comparison of docs/serving.md. The summary ratios are minima over every model and concurrency:
+`scheduler_vs_best_static_min_ratio` (hardware-aware / best of fixed γ ∈ {1,3,7} and static threshold) and
+`scheduler_vs_nospec_min_ratio` (hardware-aware / no speculation).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import sys
 import tempfile
@@ -28,14 +42,17 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, environment, humaneval_prompts  # noqa: E402
+from common import REPO, RESULTS, environment, humaneval_prompts, load_target  # noqa: E402
 
 import dspark_hf  # noqa: E402
 from dspark_hf.scheduling import SPSTable  # noqa: E402
 from dspark_hf.serving import DSparkEngine  # noqa: E402
+from dspark_hf.verify import VerifyResult  # noqa: E402
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 STATIC = ("fixed_1", "fixed_3", "fixed_7", "static_threshold")
+QWEN3_MASK_TOKEN_ID = 151669
+TRACE = RESULTS / "serving_trace_code50m.json"
 
 
 def policies(threshold: float, gamma_max: int) -> dict[str, dict]:
@@ -48,6 +65,7 @@ def policies(threshold: float, gamma_max: int) -> dict[str, dict]:
     return table
 
 
+# ---------------------------------------------------------------------------------------------------- models
 def tiny_models():
     """A float32 random Qwen3 target and a random DSpark drafter for it (CPU smoke test only)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -57,159 +75,396 @@ def tiny_models():
     target = Qwen3ForCausalLM(Qwen3Config(vocab_size=96, num_hidden_layers=4, eos_token_id=2, **common)).eval()
     drafter = dspark_hf.DSparkDraftModel(dspark_hf.DSparkConfig(
         vocab_size=96, num_hidden_layers=2, target_layer_ids=[0, 2], num_target_layers=4, mask_token_id=3,
-        block_size=8, markov_rank=8, enable_confidence_head=True, **common)).eval()
-    return target, drafter, None
+        block_size=7, markov_rank=8, enable_confidence_head=True, **common)).eval()
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, 96, (int(n),), generator=generator).tolist()
+               for n in torch.randint(4, 16, (16,), generator=generator)]
+    return target, drafter, prompts
 
 
-def load_models(args):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_models(name: str, dtype: torch.dtype, device: str):
+    """(target, drafter, prompt token ids) for `code50m` or `qwen3-4b-shape` (prompts from the recorded trace)."""
+    from transformers import AutoTokenizer
 
-    dtype = getattr(torch, args.dtype)
-    tokenizer = AutoTokenizer.from_pretrained(args.target)
-    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype, device_map=args.device).eval()
-    drafter = dspark_hf.DSparkDraftModel.from_pretrained(args.drafter, dtype=dtype).to(args.device).eval()
-    return target, drafter, tokenizer
+    target = load_target(name, dtype, device).eval()
+    if name == "code50m":
+        tokenizer = AutoTokenizer.from_pretrained(target.config._name_or_path)
+        drafter = dspark_hf.DSparkDraftModel.from_pretrained(REPO / "drafters" / "code50m-dspark", dtype=dtype)
+        prompts = [tokenizer(text)["input_ids"] for text in humaneval_prompts(64)]
+    else:
+        torch.manual_seed(0)
+        config = dspark_hf.DSparkConfig.from_target_config(
+            target.config, mask_token_id=QWEN3_MASK_TOKEN_ID, num_hidden_layers=5, block_size=7, markov_rank=256,
+            enable_confidence_head=True)
+        with torch.device(device):
+            drafter = dspark_hf.DSparkDraftModel(config).to(dtype)
+        prompts = AcceptanceTrace.load(TRACE).prompts
+    return target, drafter.to(device).eval(), prompts
 
 
-def prompt_ids(args, tokenizer, count: int) -> list[list[int]]:
-    if tokenizer is None:
-        generator = torch.Generator().manual_seed(0)
-        return [torch.randint(4, 96, (int(n),), generator=generator).tolist()
-                for n in torch.randint(4, 16, (count,), generator=generator)]
-    texts = humaneval_prompts(count)
-    return [tokenizer.apply_chat_template([{"role": "user", "content": "Complete this function:\n" + text}],
-                                          add_generation_prompt=True, tokenize=True, enable_thinking=False)["input_ids"]
-            for text in texts]
+# ---------------------------------------------------------------------------------------------------- traces
+class AcceptanceTrace:
+    """Full-length rounds of a real run (confidence logits [N, γ], accepted drafts [N]) and the prompts it used.
+
+    `recording(engine)` collects them from an engine running `policy="fixed"` at full γ; `replaying(engine)` makes
+    an engine with meaningless (random) weights accept like the recorded run: each request-round draws one entry,
+    the policy sees its confidences, and the round accepts min(l_r, its count). Timing only."""
+
+    def __init__(self, confidences: torch.Tensor, accepted: torch.Tensor, prompts: list[list[int]]):
+        self.confidences, self.accepted, self.prompts = confidences.float(), accepted.long(), prompts
+
+    @classmethod
+    def load(cls, path: Path) -> AcceptanceTrace:
+        data = json.loads(Path(path).read_text())
+        return cls(torch.tensor(data["confidence_logits"]), torch.tensor(data["accepted"]), data["prompts"])
+
+    def save(self, path: Path, limit: int = 4096) -> None:
+        data = dict(confidence_logits=[[round(v, 4) for v in row] for row in self.confidences[:limit].tolist()],
+                    accepted=self.accepted[:limit].tolist(), prompts=self.prompts,
+                    note="code50m fixture + trained DSpark drafter, policy fixed γ=7, greedy, HumanEval prompts")
+        Path(path).write_text(json.dumps(data) + "\n")
+
+    @staticmethod
+    @contextlib.contextmanager
+    def recording(engine: DSparkEngine, prompts: list[list[int]]):
+        confidences, accepted, stash = [], [], {}
+        runner, drafter = engine.runner, engine.drafter
+        gamma = drafter.config.num_draft_slots
+        original_draft, original_verify = drafter.draft, runner.sampler.verify
+
+        @functools.wraps(original_draft)
+        def draft(*args, **kwargs):
+            proposal = original_draft(*args, **kwargs)
+            stash["confidence"] = proposal.confidence_logits
+            return proposal
+
+        def verify(rows, drafts, lengths, target_logits, draft_logits):
+            result = original_verify(rows, drafts, lengths, target_logits, draft_logits)
+            confidence = stash.pop("confidence", None)
+            if confidence is not None and confidence.shape[1] == gamma:
+                full = (lengths == gamma).nonzero().squeeze(1)
+                confidences.append(confidence[full.to(confidence.device)].float().cpu())
+                accepted.append(result.num_accepted[full.to(result.num_accepted.device)].cpu())
+            return result
+
+        drafter.draft, runner.sampler.verify = draft, verify
+        holder = []
+        try:
+            yield holder
+        finally:
+            del drafter.draft
+            runner.sampler.verify = original_verify
+            if confidences:
+                holder.append(AcceptanceTrace(torch.cat(confidences), torch.cat(accepted), prompts))
+
+    @contextlib.contextmanager
+    def replaying(self, engine: DSparkEngine, seed: int = 0):
+        runner, drafter = engine.runner, engine.drafter
+        original_draft, original_verify = drafter.draft, runner.sampler.verify
+        generator = torch.Generator().manual_seed(seed)
+        device = next(drafter.parameters()).device
+        confidences, accepted = self.confidences.to(device), self.accepted
+        drawn = {}
+
+        @functools.wraps(original_draft)
+        def draft(*args, **kwargs):
+            proposal = original_draft(*args, **kwargs)
+            index = torch.randint(len(accepted), (proposal.tokens.shape[0],), generator=generator)
+            drawn["index"] = index
+            width = proposal.tokens.shape[1]
+            proposal.confidence_logits = confidences[index.to(device), :width]
+            return proposal
+
+        def verify(rows, drafts, lengths, target_logits, draft_logits):
+            real = original_verify(rows, drafts, lengths, target_logits, draft_logits)  # paid for, then overridden
+            if "index" not in drawn:  # no draft this round (every row's budget was spent)
+                return real
+            out_device = real.output_tokens.device
+            count = torch.minimum(lengths, accepted[drawn.pop("index")]).to(out_device)
+            bonus = real.output_tokens.gather(1, real.num_accepted[:, None])
+            tokens = torch.cat([drafts.to(out_device), bonus], dim=1)
+            columns = torch.arange(tokens.shape[1], device=out_device)[None, :]
+            tokens = torch.where(columns < count[:, None], tokens, bonus)
+            tokens = torch.where(columns <= count[:, None], tokens, torch.full_like(tokens, -1))
+            return VerifyResult(num_accepted=count, output_tokens=tokens)
+
+        drafter.draft, runner.sampler.verify = draft, verify
+        try:
+            yield
+        finally:
+            del drafter.draft
+            runner.sampler.verify = original_verify
 
 
-def run_cell(target, drafter, tokenizer, prompts, concurrency: int, setting: dict, args, sps_table) -> dict:
+# ---------------------------------------------------------------------------------------------------- measuring
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def make_engine(target, drafter, concurrency: int, setting: dict, sps_table) -> DSparkEngine:
     kwargs = dict(setting)
     if kwargs.get("policy") == "hardware_aware":
         kwargs["sps_table"] = sps_table
-    engine = DSparkEngine(target, drafter if kwargs.get("policy") != "none" else None, tokenizer,
-                          max_batch_size=concurrency, seed=0, **kwargs)
-    count = max(2 * concurrency, args.min_requests)
-    sampling = dict(max_tokens=args.max_new_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos)
-    handles = [engine.add_request(prompts[i % len(prompts)], **sampling) for i in range(count)]
-    if target.device.type == "cuda":
-        torch.cuda.synchronize()
+    return DSparkEngine(target, drafter if kwargs.get("policy") != "none" else None, max_batch_size=concurrency,
+                        seed=0, **kwargs)
+
+
+def drive(engine: DSparkEngine, prompts, concurrency: int, args) -> tuple[list, float]:
+    count = max(concurrency, args.min_requests)
+    handles = [engine.add_request(prompts[i % len(prompts)], max_tokens=args.max_new_tokens, temperature=0.0,
+                                  ignore_eos=True) for i in range(count)]
+    _sync(engine.target.device)
     start = time.perf_counter()
     engine.run()
-    if target.device.type == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
+    _sync(engine.target.device)
+    return handles, time.perf_counter() - start
+
+
+def run_cell(target, drafter, prompts, concurrency: int, setting: dict, args, sps_table, trace=None,
+             recorded: list | None = None) -> dict:
+    engine = make_engine(target, drafter, concurrency, setting, sps_table)
+    context = contextlib.nullcontext()
+    if trace is not None and engine.drafter is not None:
+        context = trace.replaying(engine, seed=concurrency)
+    elif recorded is not None:
+        context = AcceptanceTrace.recording(engine, prompts)
+    with context as holder:
+        handles, seconds = drive(engine, prompts, concurrency, args)
+    if recorded is not None and holder:
+        recorded.extend(holder)
+    log = engine.round_log
     tokens = sum(len(h.tokens) for h in handles)
-    verify_lengths = Counter(n for entry in engine.round_log for n in entry["verify"])
-    accepted = [n for entry in engine.round_log for n in entry["accepted"]]
+    accepted = [n for entry in log for n in entry["accepted"]]
     return dict(
-        concurrency=concurrency, requests=count, generated_tokens=tokens, seconds=seconds,
-        tokens_per_second=tokens / seconds, rounds=len(engine.round_log),
+        concurrency=concurrency, requests=len(handles), generated_tokens=tokens, seconds=seconds,
+        tokens_per_second=tokens / seconds, rounds=len(log), round_ms=1e3 * seconds / max(1, len(log)),
         tau=(sum(accepted) + len(accepted)) / max(1, len(accepted)),
-        verify_length_histogram={str(k): v for k, v in sorted(verify_lengths.items())},
-        mean_batch=sum(e["batch"] for e in engine.round_log) / max(1, len(engine.round_log)),
+        verify_length_histogram={str(k): v for k, v in sorted(Counter(n for e in log for n in e["verify"]).items())},
+        mean_batch=sum(e["batch"] for e in log) / max(1, len(log)),
+        mean_cache_width=sum(e["width"] for e in log) / max(1, len(log)),
+        mean_hole_fraction=sum(e["holes"] for e in log) / max(1, len(log)),
+        plain_round_fraction=sum(not e["speculative"] for e in log) / max(1, len(log)),
     )
 
 
-def summarize(cells: dict[str, list[dict]]) -> dict:
-    by = {name: {c["concurrency"]: c["tokens_per_second"] for c in rows} for name, rows in cells.items()}
-    levels = sorted(by.get("hardware_aware", {}))
-    vs_static, vs_nospec = [], []
-    for level in levels:
-        hw = by["hardware_aware"][level]
-        static = [by[name][level] for name in STATIC if name in by and level in by[name]]
-        if static:
-            vs_static.append(hw / max(static))
-        if level in by.get("no_spec", {}):
-            vs_nospec.append(hw / by["no_spec"][level])
-    return dict(
-        scheduler_vs_best_static_min_ratio=min(vs_static) if vs_static else None,
-        scheduler_vs_nospec_min_ratio=min(vs_nospec) if vs_nospec else None,
-        scheduler_vs_best_static_by_concurrency=dict(zip(map(str, levels), vs_static)),
-        scheduler_vs_nospec_by_concurrency=dict(zip(map(str, levels), vs_nospec)),
-    )
+def run_paged(target, prompts, concurrency: int, args) -> dict:
+    """transformers' own continuous batching (paged KV cache, no speculation) on the same requests. The manager is
+    started and warmed up before the clock starts (as our engine's warm-up run)."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    count = max(concurrency, args.min_requests)
+    inputs = [prompts[i % len(prompts)] for i in range(count)]
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    batching = ContinuousBatchingConfig(max_requests_per_batch=concurrency, use_cuda_graph=False)
+    manager = target.init_continuous_batching(config, batching)
+    manager.start()
+    try:
+        def complete(ids: list[str]) -> int:
+            tokens, waiting = 0, set(ids)
+            while waiting:
+                result = manager.get_result(timeout=60)
+                if result is None:
+                    raise RuntimeError("transformers' continuous batching stopped answering")
+                if result.is_finished() and result.request_id in waiting:
+                    if result.error is not None:
+                        raise RuntimeError(result.error)
+                    waiting.discard(result.request_id)
+                    tokens += len(result.generated_tokens)
+            return tokens
+
+        complete(manager.add_requests(inputs[:concurrency], max_new_tokens=4))  # warm-up
+        _sync(target.device)
+        start = time.perf_counter()
+        tokens = complete(manager.add_requests(inputs, max_new_tokens=args.max_new_tokens))
+        _sync(target.device)
+        seconds = time.perf_counter() - start
+    finally:
+        manager.stop(block=True, timeout=30)
+    if tokens < count * args.max_new_tokens:
+        raise RuntimeError(f"continuous batching returned {tokens} of {count * args.max_new_tokens} tokens")
+    return dict(concurrency=concurrency, requests=count, generated_tokens=tokens, seconds=seconds,
+                tokens_per_second=tokens / seconds)
 
 
-def plot(cells: dict[str, list[dict]], path: Path) -> None:
+def round_breakdown(target, drafter, prompts, concurrency: int, setting: dict, args, sps_table, trace) -> dict:
+    """ms per round in: drafting (backbone + Markov/sampling), policy, target forwards (prefill separately),
+    verification, and the rest (host bookkeeping). Synchronises around each part, so the total is a bit slower."""
+    engine = make_engine(target, drafter, concurrency, setting, sps_table)
+    runner, device = engine.runner, target.device
+    totals = Counter()
+
+    def timed(name_of, function):
+        @functools.wraps(function)
+        def wrapper(*a, **k):
+            _sync(device)
+            start = time.perf_counter()
+            out = function(*a, **k)
+            _sync(device)
+            totals[name_of(a, k)] += time.perf_counter() - start
+            return out
+        return wrapper
+
+    runner._draft = timed(lambda a, k: "draft", runner._draft)
+    runner._verify_lengths = timed(lambda a, k: "policy", runner._verify_lengths)
+    runner._target_forward = timed(lambda a, k: "prefill" if k.get("keep_last_only") else "target_forward",
+                                   runner._target_forward)
+    context = trace.replaying(engine, seed=1) if trace is not None else contextlib.nullcontext()
+    with context:
+        runner.sampler.verify = timed(lambda a, k: "verify", runner.sampler.verify)
+        handles, seconds = drive(engine, prompts, concurrency, args)
+    rounds = max(1, len(engine.round_log))
+    parts = {name: 1e3 * value / rounds for name, value in totals.items()}
+    parts["bookkeeping"] = 1e3 * seconds / rounds - sum(parts.values())
+    return dict(concurrency=concurrency, policy=setting.get("policy"), rounds=rounds,
+                ms_per_round={k: round(v, 3) for k, v in parts.items()})
+
+
+# ---------------------------------------------------------------------------------------------------- report
+def summarize(models: dict[str, dict]) -> dict:
+    vs_static, vs_nospec, per_model = [], [], {}
+    for name, entry in models.items():
+        by = {policy: {c["concurrency"]: c["tokens_per_second"] for c in rows}
+              for policy, rows in entry["results"].items()}
+        static_ratio, nospec_ratio = {}, {}
+        for level, hw in sorted(by.get("hardware_aware", {}).items()):
+            static = [by[p][level] for p in STATIC if level in by.get(p, {})]
+            if static:
+                static_ratio[str(level)] = hw / max(static)
+            if level in by.get("no_spec", {}):
+                nospec_ratio[str(level)] = hw / by["no_spec"][level]
+        per_model[name] = dict(scheduler_vs_best_static=static_ratio, scheduler_vs_nospec=nospec_ratio)
+        vs_static += static_ratio.values()
+        vs_nospec += nospec_ratio.values()
+    return dict(scheduler_vs_best_static_min_ratio=min(vs_static) if vs_static else None,
+                scheduler_vs_nospec_min_ratio=min(vs_nospec) if vs_nospec else None, ratios_by_model=per_model)
+
+
+def plot(models: dict[str, dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name, rows in cells.items():
-        left.plot([r["concurrency"] for r in rows], [r["tokens_per_second"] for r in rows], marker="o", label=name)
-    left.set_xscale("log", base=2)
-    left.set_xlabel("concurrency")
-    left.set_ylabel("generated tokens / s")
-    left.legend()
-    left.set_title("throughput vs concurrency")
-    for row in cells.get("hardware_aware", []):
-        hist = {int(k): v for k, v in row["verify_length_histogram"].items()}
-        total = sum(hist.values()) or 1
-        keys = sorted(hist)
-        right.plot(keys, [hist[k] / total for k in keys], marker=".", label=f"c={row['concurrency']}")
-    right.set_xlabel("verify length l_r (drafted tokens verified)")
-    right.set_ylabel("fraction of request-rounds")
-    right.set_title("hardware-aware: per-request verify lengths")
-    right.legend(fontsize=7)
+    fig, axes = plt.subplots(len(models), 2, figsize=(13, 4.5 * len(models)), squeeze=False)
+    for (name, entry), (left, right) in zip(models.items(), axes):
+        series = dict(entry["results"])
+        if entry.get("hf_paged"):
+            series["hf_paged (no spec)"] = entry["hf_paged"]
+        for policy, rows in series.items():
+            style = dict(linestyle="--") if policy.startswith("hf_paged") else {}
+            left.plot([r["concurrency"] for r in rows], [r["tokens_per_second"] for r in rows], marker="o",
+                      label=policy, **style)
+        left.set_xscale("log", base=2)
+        left.set_yscale("log")
+        left.set_xlabel("concurrency")
+        left.set_ylabel("generated tokens / s")
+        left.set_title(f"{name}: throughput vs concurrency" + (" (timing only)" if entry.get("replayed") else ""))
+        left.legend(fontsize=7)
+        for row in series.get("hardware_aware", []):
+            hist = {int(k): v for k, v in row["verify_length_histogram"].items()}
+            total = sum(hist.values()) or 1
+            keys = sorted(hist)
+            right.plot(keys, [hist[k] / total for k in keys], marker=".", label=f"c={row['concurrency']}")
+        right.set_xlabel("verify length l_r (drafted tokens verified)")
+        right.set_ylabel("fraction of request-rounds")
+        right.set_title(f"{name}: hardware-aware per-request verify lengths")
+        right.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="Qwen/Qwen3-8B")
-    parser.add_argument("--drafter", default="deepseek-ai/dspark_qwen3_8b_block7")
+    parser.add_argument("--model", choices=["code50m", "qwen3-4b-shape", "smoke"], required=True)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY))
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--min-requests", type=int, default=8)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--ignore-eos", action="store_true", help="every request generates exactly max tokens")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--min-requests", type=int, default=4)
     parser.add_argument("--threshold", type=float, default=0.5, help="static-threshold policy's confidence threshold")
-    parser.add_argument("--sps-table", help="SPSTable JSON for the hardware-aware policy (default: profile now)")
-    parser.add_argument("--out", help="JSON path (default benchmarks/results/serving_h200.json; temp dir for --smoke)")
-    parser.add_argument("--smoke", action="store_true", help="tiny random models on CPU, tiny concurrency")
+    parser.add_argument("--policies", nargs="*", help="subset of: no_spec fixed_1 fixed_3 fixed_7 static_threshold "
+                        "hardware_aware (default: all)")
+    parser.add_argument("--breakdown-at", type=int, nargs="*", default=[1, 32, 256])
+    parser.add_argument("--out", help="JSON path (default benchmarks/results/serving_h200.json; temp dir for smoke)")
     args = parser.parse_args()
 
-    if args.smoke:
+    trace = None
+    if args.model == "smoke":
         args.concurrency = [c for c in args.concurrency if c <= 4] or [1]
-        args.max_new_tokens, args.min_requests, args.ignore_eos = min(args.max_new_tokens, 8), 2, True
-        target, drafter, tokenizer = tiny_models()
-        sps_table = SPSTable.profile(target, batch_tokens=(1, 4, 16, 64), context_length=16, repeats=2, progress=False)
+        args.breakdown_at = [c for c in args.breakdown_at if c <= 4] or [2]
+        args.max_new_tokens, args.min_requests = min(args.max_new_tokens, 8), 2
+        target, drafter, prompts = tiny_models()
         out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="serving-smoke-")) / "serving_smoke.json"
+        table = dict(batch_tokens=(1, 4, 16, 64), context_length=16, repeats=2)
     else:
-        target, drafter, tokenizer = load_models(args)
-        sps_table = (SPSTable.load(args.sps_table) if args.sps_table else
-                     SPSTable.profile(target, batch_tokens=(1, 8, 32, 64, 128, 256, 512, 1024, 2048), progress=False))
+        target, drafter, prompts = load_models(args.model, getattr(torch, args.dtype), args.device)
         out = Path(args.out) if args.out else RESULTS / "serving_h200.json"
-    prompts = prompt_ids(args, tokenizer, 64)
+        table = dict(batch_tokens=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048), context_length=256, repeats=5)
+        if args.model == "qwen3-4b-shape":
+            trace = AcceptanceTrace.load(TRACE)
+    with torch.inference_mode():
+        sps_table = SPSTable.profile(target, model_name=args.model, progress=False, **table)
     gamma_max = drafter.config.num_draft_slots
 
-    cells: dict[str, list[dict]] = {}
+    warm_up = argparse.Namespace(**{**vars(args), "max_new_tokens": 8})
+    results: dict[str, list[dict]] = {}
+    recorded: list[AcceptanceTrace] = []
+    breakdown, paged = [], []
+
+    def save() -> None:  # after every policy, so that a run cut short by a time limit keeps what it measured
+        payload = json.loads(out.read_text()) if out.exists() else dict(benchmark="serving", models={})
+        payload["models"][args.model] = dict(
+            environment=environment(), replayed=trace is not None,
+            settings=dict(dtype="float32" if args.model == "smoke" else args.dtype, max_new_tokens=args.max_new_tokens,
+                          temperature=0.0, ignore_eos=True, threshold=args.threshold, concurrency=args.concurrency,
+                          min_requests=args.min_requests,
+                          prompts="random ids" if args.model == "smoke" else "HumanEval (code50m tokenizer)",
+                          acceptance="replayed from serving_trace_code50m.json (timing only)" if trace is not None
+                          else "real", sps_table=sps_table.to_dict()),
+            results=results, hf_paged=[p for p in paged if "error" not in p],
+            hf_paged_error=next((p["error"] for p in paged if "error" in p), None), round_breakdown=breakdown,
+        )
+        payload.update(summarize(payload["models"]))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(payload, indent=2) + "\n")
+        plot(payload["models"], out.with_suffix(".png"))
+        print({k: payload[k] for k in ("scheduler_vs_best_static_min_ratio", "scheduler_vs_nospec_min_ratio")},
+              flush=True)
+
     with torch.inference_mode():
         for name, setting in policies(args.threshold, gamma_max).items():
-            run_cell(target, drafter, tokenizer, prompts, 1, setting, args, sps_table)  # warm-up
+            if args.policies and name not in args.policies:
+                continue
             for concurrency in args.concurrency:
-                cell = run_cell(target, drafter, tokenizer, prompts, concurrency, setting, args, sps_table)
-                cells.setdefault(name, []).append(cell)
-                print(f"{name:>16} c={concurrency:<4} {cell['tokens_per_second']:9.1f} tok/s  tau={cell['tau']:.2f}",
-                      flush=True)
-    payload = dict(
-        benchmark="serving", smoke=args.smoke, environment=environment(),
-        settings=dict(target=None if args.smoke else args.target, drafter=None if args.smoke else args.drafter,
-                      dtype="float32" if args.smoke else args.dtype, max_new_tokens=args.max_new_tokens,
-                      temperature=args.temperature, ignore_eos=args.ignore_eos, threshold=args.threshold,
-                      concurrency=args.concurrency, prompts="random ids" if args.smoke else "HumanEval (chat)",
-                      sps_table=sps_table.to_dict()),
-        results=cells, **summarize(cells),
-    )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(payload, indent=2) + "\n")
-    plot(cells, out.with_suffix(".png"))
+                # warm-up at this shape: Triton specialises the verify kernels on the batch's chunking
+                run_cell(target, drafter, prompts, concurrency, setting, warm_up, sps_table, trace)
+                record = recorded if (name == "fixed_7" and gamma_max == 7 and trace is None) else None
+                cell = run_cell(target, drafter, prompts, concurrency, setting, args, sps_table, trace, record)
+                results.setdefault(name, []).append(cell)
+                print(f"{args.model} {name:>16} c={concurrency:<4} {cell['tokens_per_second']:9.1f} tok/s  "
+                      f"tau={cell['tau']:.2f}  round={cell['round_ms']:.1f} ms  holes={cell['mean_hole_fraction']:.2f}"
+                      f"  plain rounds={cell['plain_round_fraction']:.2f}", flush=True)
+            if name == "fixed_7" and recorded:
+                merged = AcceptanceTrace(torch.cat([t.confidences for t in recorded]),
+                                         torch.cat([t.accepted for t in recorded]), prompts)
+                merged.save(TRACE if args.model == "code50m" else out.with_name("serving_trace_smoke.json"))
+            save()
+        for c in args.breakdown_at:
+            for name in ("no_spec", "hardware_aware"):
+                setting = policies(args.threshold, gamma_max)[name]
+                breakdown.append(round_breakdown(target, drafter, prompts, c, setting, args, sps_table, trace))
+    save()
+    for concurrency in args.concurrency:  # transformers' manager runs its own thread under no_grad
+        try:
+            paged.append(run_paged(target, prompts, concurrency, args))
+        except Exception as error:  # noqa: BLE001 - recorded, the rest of the benchmark stands
+            paged.append(dict(concurrency=concurrency, error=f"{type(error).__name__}: {error}"[:300]))
+            break
+        print(f"{args.model} {'hf_paged':>16} c={concurrency:<4} {paged[-1]['tokens_per_second']:9.1f} tok/s",
+              flush=True)
+    save()
     print(f"wrote {out} and {out.with_suffix('.png')}")
-    print({k: payload[k] for k in ("scheduler_vs_best_static_min_ratio", "scheduler_vs_nospec_min_ratio")})
 
 
 if __name__ == "__main__":
