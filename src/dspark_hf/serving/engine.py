@@ -73,13 +73,14 @@ class RequestSampler:
     def verify(self, rows, drafts, lengths, target_logits, draft_logits) -> VerifyResult:
         device = target_logits.device
         sample, temperature, top_k, top_p = self._params(rows, device)
-        probs = None
-        if bool(sample.any()):
-            probs = (ragged_drafts(draft_logits, lengths).softmax(dim=-1) if draft_logits is not None
-                     else target_logits.new_zeros(0, target_logits.shape[-1]))
+        flat_drafts, flat_logits = ragged_drafts(drafts, lengths), ragged_rows(target_logits, lengths)
+        if not bool(sample.any()):  # all greedy: no processing, no noise (the torch path skips its sort and RNG)
+            return verify(flat_drafts, lengths.to(device), flat_logits, None, do_sample=False)
+        probs = (ragged_drafts(draft_logits, lengths).softmax(dim=-1) if draft_logits is not None
+                 else target_logits.new_zeros(0, target_logits.shape[-1]))
         seeds = torch.randint(-(2**62), 2**62, (len(rows),), generator=self.generator, device=self.generator.device)
-        return verify(ragged_drafts(drafts, lengths), lengths.to(device), ragged_rows(target_logits, lengths), probs,
-                      do_sample=sample, temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds.to(device))
+        return verify(flat_drafts, lengths.to(device), flat_logits, probs, do_sample=sample, temperature=temperature,
+                      top_k=top_k, top_p=top_p, seeds=seeds.to(device))
 
 
 def _engine_policy(policy, drafter, threshold, sps_table, gamma) -> tuple[bool, SchedulerPolicy | None]:
