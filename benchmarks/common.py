@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -88,6 +89,15 @@ def load_target(name: str, dtype: torch.dtype, device: str):
         with torch.device(device):
             return AutoModelForCausalLM.from_config(Qwen3Config(**QWEN3_4B), dtype=dtype)
     raise ValueError(f"unknown model {name!r}")
+
+
+def write_report(prefix: str, report: dict, **fields) -> Path:
+    """An evaluation report (`run_evaluation`'s output) as RESULTS/<prefix>.json, with its plots as <prefix>_*.png."""
+    from dspark_hf.evaluation import plot_report
+
+    for path in plot_report(report, Path(tempfile.mkdtemp())):
+        shutil.copy(path, RESULTS / f"{prefix}_{path.name}")
+    return write_json(f"{prefix}.json", {**fields, **report})
 
 
 def write_json(name: str, payload: dict) -> Path:

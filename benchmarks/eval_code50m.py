@@ -17,7 +17,8 @@ import tempfile
 from pathlib import Path
 
 import torch
-from common import REPO, RESULTS, SHARED, environment, materialize_fixture, stdlib_code_prompts, write_json
+from common import (REPO, RESULTS, SHARED, environment, materialize_fixture, stdlib_code_prompts, write_json,
+                    write_report)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import dspark_hf
@@ -70,10 +71,7 @@ def main() -> None:
         return
     report = run_evaluation(target, tokenizer, drafters, tasks, temperatures=[0.0, 1.0],
                             max_new_tokens=args.max_new_tokens, chat=False, gamma=7)
-    plots = Path(tempfile.mkdtemp())
-    for path in plot_report(report, plots):
-        shutil.copy(path, RESULTS / f"eval_code50m_{path.name}")
-    write_json("eval_code50m.json", {
+    write_report("eval_code50m", report, **{
         "what": "tau (accepted tokens per round incl. bonus, macro mean over tasks), per task: draft tokens per "
                 "proposal, verify rate, accept_rate@k, conditional acceptance per position, tokens/s and speedup "
                 "over plain decoding in the same run; target = 50M code fixture (float32), gamma = 7",
@@ -84,7 +82,6 @@ def main() -> None:
         "drafters": {"dspark": "drafters/code50m-dspark", "dflash": "drafters/code50m-dflash",
                      "assistant_10m": "../shared/fixtures/code-llama-10m-assistant (transformers' assisted "
                                       "generation, 7 tokens per round, constant schedule)"},
-        **report,
     })
     print(report["tau"])
 

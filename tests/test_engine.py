@@ -239,9 +239,9 @@ class AlternatingGuard(SpeculationGuard):
 
 def test_plain_rounds_chosen_by_the_guard_stay_exact(models):
     target, drafter = models
-    engine = DSparkEngine(target, drafter, policy="hardware_aware", max_batch_size=4,
-                          sps_table=SPSTable([1, 4, 16, 64], [1.0, 0.9, 0.6, 0.2]), speculation_guard=AlternatingGuard(),
-                          default_sampling={"temperature": 0})
+    table = SPSTable([1, 4, 16, 64], [1.0, 0.9, 0.6, 0.2])
+    engine = DSparkEngine(target, drafter, policy="hardware_aware", max_batch_size=4, sps_table=table,
+                          speculation_guard=AlternatingGuard(), default_sampling={"temperature": 0})
     rng = random.Random(3)
     handles = [engine.add_request([rng.randrange(4, VOCAB_SIZE) for _ in range(rng.randint(1, 9))],
                                   max_tokens=rng.randint(8, 30)) for _ in range(7)]
