@@ -22,8 +22,8 @@ Protocol (closed loop): for each concurrency c and policy, max(c, --min-requests
 A short warm-up run (8 tokens, same concurrency and policy) precedes each timed run. tokens/s = generated tokens /
 wall-clock seconds. The SPS table of the hardware-aware policy is profiled in the same run. `hf_paged` is
 transformers' own continuous batching (paged attention, no speculation, CUDA graphs off like ours) on the same
-requests: the padded-vs-paged comparison of docs/serving.md. The summary ratios are minima over every model and concurrency:
-`scheduler_vs_best_static_min_ratio` (hardware-aware / best of fixed γ ∈ {1,3,7} and static threshold) and
+requests: the padded-vs-paged comparison of docs/serving.md. The summary ratios are minima over every model and
+concurrency: `scheduler_vs_best_static_min_ratio` (hardware-aware / best of fixed γ ∈ {1,3,7} and static threshold) and
 `scheduler_vs_nospec_min_ratio` (hardware-aware / no speculation).
 """
 
