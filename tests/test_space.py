@@ -1,5 +1,6 @@
 """The Gradio Space (space_app/app.py): started on localhost, driven with gradio_client, and shown in headless
-Chromium (the screenshot goes to docs/assets/space.png, which the docs show)."""
+Chromium. The screenshot goes to a temporary folder; with DSPARK_UPDATE_SCREENSHOT=1 it replaces
+docs/assets/space.png, which the docs show (a test run never edits the checkout otherwise)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 APP = ROOT / "space_app" / "app.py"
-SCREENSHOT = ROOT / "docs" / "assets" / "space.png"
+DOCS_SCREENSHOT = ROOT / "docs" / "assets" / "space.png"
 
 pytest.importorskip("gradio")
 gradio_client = pytest.importorskip("gradio_client")
@@ -96,6 +97,7 @@ def test_space_in_headless_chromium(space_url, tmp_path):
                  f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1400,1700", "--hide-scrollbars"):
         options.add_argument(flag)
     os.environ.setdefault("SE_AVOID_STATS", "true")
+    screenshot = tmp_path / "space.png"
     driver = webdriver.Chrome(options=options, service=Service(executable_path=CHROMEDRIVER))
     try:
         driver.get(space_url)
@@ -111,11 +113,12 @@ def test_space_in_headless_chromium(space_url, tmp_path):
         wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "img"))  # the calibration diagram
         time.sleep(1.0)
         assert driver.find_elements(By.CSS_SELECTOR, "#plain-output .tok-plain")
-        SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
         height = driver.execute_script("return document.body.scrollHeight")
         driver.set_window_size(1400, min(max(height, 1200), 2600))
         time.sleep(0.5)
-        assert driver.save_screenshot(str(SCREENSHOT))
+        assert driver.save_screenshot(str(screenshot))
     finally:
         driver.quit()
-    assert SCREENSHOT.stat().st_size > 10_000
+    assert screenshot.stat().st_size > 10_000
+    if os.environ.get("DSPARK_UPDATE_SCREENSHOT") == "1":
+        shutil.copy(screenshot, DOCS_SCREENSHOT)
