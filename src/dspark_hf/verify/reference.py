@@ -91,8 +91,10 @@ def verify_torch(p) -> tuple[torch.Tensor, torch.Tensor]:
     q_d = p.draft_probs[flat, d].float() if p.draft_probs is not None else torch.ones(T, device=dev)
     if p.uniforms is not None:
         u = p.uniforms
-    else:
+    elif p.any_sample:
         u = rng.acceptance_uniforms(p.seeds, p.offsets, r_t, j_t)
+    else:  # all greedy (known on the host): no noise needed
+        u = torch.zeros(T, device=dev)
     acc = torch.where(p.do_sample[r_t], u * q_d < p_d, d == amax[row_t])
     acc_pad = torch.zeros(R, L + 1, dtype=torch.int64, device=dev)
     acc_pad[r_t, j_t] = acc.long()
