@@ -1,15 +1,22 @@
 #!/usr/bin/env bash
-# One device call for the serving issue: the engine on the 50M fixture with its trained drafter (real acceptance,
-# records the acceptance trace), then on a random-init Qwen3-4B shape replaying that trace (timing only).
-# Usage on the device machine: bash benchmarks/gpu_serving_run.sh  (carry: carry_sched = fixture xz + HumanEval)
+# Device call(s) for the serving issue. Usage on the device machine (carry: carry_sched = the 50M fixture xz-compressed,
+# materialize.py and HumanEval.jsonl.gz):
+#     bash benchmarks/gpu_serving_run.sh [benchmarks/serving.py arguments]
+# One model's policies can be split over several calls; results accumulate in benchmarks/results/serving_h200.json,
+# so copy $OUT's files into benchmarks/results/ between calls (the next call carries them in the working tree):
+#     call 1: --model code50m --policies no_spec fixed_1 fixed_3 --breakdown-at --no-paged
+#     call 2: --model code50m --policies fixed_7 static_threshold hardware_aware   (records the acceptance trace)
+#     call 3: --model qwen3-4b-shape --max-new-tokens 32 ...                        (replays it; timing only)
+# First attempt (2026-11-29): everything in one call; cut by its time limit (serving_h200_partial.json).
 set -uo pipefail
 export PYTHONPATH=${DSPARK_SRC:-src}
-mkdir -p ../shared/fixtures ../shared/data/humaneval
-cp -r carry_sched/code-llama-50m ../shared/fixtures/ && cp carry_sched/materialize.py ../shared/fixtures/
-xz -d ../shared/fixtures/code-llama-50m/*.xz  # carried compressed (the per-call carry limit is 64 MiB)
-cp carry_sched/HumanEval.jsonl.gz ../shared/data/humaneval/
+if [ ! -d ../shared/fixtures/code-llama-50m ]; then
+    mkdir -p ../shared/fixtures ../shared/data/humaneval
+    cp -r carry_sched/code-llama-50m ../shared/fixtures/ && cp carry_sched/materialize.py ../shared/fixtures/
+    xz -d ../shared/fixtures/code-llama-50m/*.xz  # carried compressed (the per-call carry limit is 64 MiB)
+    cp carry_sched/HumanEval.jsonl.gz ../shared/data/humaneval/
+fi
 nvidia-smi --query-gpu=name,memory.total --format=csv
-timeout 140 python benchmarks/serving.py --model code50m --max-new-tokens 96 2>&1 | grep -v Warning | tee "$OUT"/serving_code50m.log
-cp benchmarks/results/serving_h200.json benchmarks/results/serving_trace_code50m.json "$OUT"/ && mv "$OUT"/serving_h200.json "$OUT"/serving_h200_code50m_only.json
-timeout 200 python benchmarks/serving.py --model qwen3-4b-shape --max-new-tokens 32 2>&1 | grep -v Warning | tee "$OUT"/serving_qwen3_4b.log
+python benchmarks/serving.py "$@" 2>&1 | grep -v Warning | tee "$OUT"/serving.log
 cp benchmarks/results/serving_h200.json benchmarks/results/serving_h200.png "$OUT"/
+cp benchmarks/results/serving_trace_code50m.json "$OUT"/ 2>/dev/null || true

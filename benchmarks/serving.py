@@ -2,7 +2,8 @@
 hardware-aware scheduler; per-request verify lengths; where a round's time goes; padded batch vs transformers' paged
 continuous batching.
 
-    # on the H200, one model per run (each run merges its entry into the same JSON):
+    # on the H200, one model per run (each run merges its entry into the same JSON; --policies splits a model's
+    # policies over several calls, whose results accumulate):
     PYTHONPATH=src python benchmarks/serving.py --model code50m          # fixture + trained drafter; records a trace
     PYTHONPATH=src python benchmarks/serving.py --model qwen3-4b-shape   # random init, acceptance replayed (timing)
     # CPU smoke test with tiny random models (writes to a temp dir; never commit its output)
@@ -385,7 +386,8 @@ def main() -> None:
     parser.add_argument("--threshold", type=float, default=0.5, help="static-threshold policy's confidence threshold")
     parser.add_argument("--policies", nargs="*", help="subset of: no_spec fixed_1 fixed_3 fixed_7 static_threshold "
                         "hardware_aware (default: all)")
-    parser.add_argument("--breakdown-at", type=int, nargs="*", default=[1, 32, 256])
+    parser.add_argument("--breakdown-at", type=int, nargs="*", default=[1, 32, 256], help="none: skip the breakdown")
+    parser.add_argument("--no-paged", dest="paged", action="store_false", help="skip transformers' paged baseline")
     parser.add_argument("--out", help="JSON path (default benchmarks/results/serving_h200.json; temp dir for smoke)")
     args = parser.parse_args()
 
@@ -414,6 +416,7 @@ def main() -> None:
 
     def save() -> None:  # after every policy, so that a run cut short by a time limit keeps what it measured
         payload = json.loads(out.read_text()) if out.exists() else dict(benchmark="serving", models={})
+        earlier = payload["models"].get(args.model, {})  # runs split over several calls (--policies) accumulate
         payload["models"][args.model] = dict(
             environment=environment(), replayed=trace is not None,
             settings=dict(dtype="float32" if args.model == "smoke" else args.dtype, max_new_tokens=args.max_new_tokens,
@@ -422,8 +425,10 @@ def main() -> None:
                           prompts="random ids" if args.model == "smoke" else "HumanEval (code50m tokenizer)",
                           acceptance="replayed from serving_trace_code50m.json (timing only)" if trace is not None
                           else "real", sps_table=sps_table.to_dict()),
-            results=results, hf_paged=[p for p in paged if "error" not in p],
-            hf_paged_error=next((p["error"] for p in paged if "error" in p), None), round_breakdown=breakdown,
+            results={**earlier.get("results", {}), **results},
+            hf_paged=[p for p in paged if "error" not in p] or earlier.get("hf_paged", []),
+            hf_paged_error=next((p["error"] for p in paged if "error" in p), earlier.get("hf_paged_error")),
+            round_breakdown=breakdown or earlier.get("round_breakdown", []),
         )
         payload.update(summarize(payload["models"]))
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -455,7 +460,7 @@ def main() -> None:
                 setting = policies(args.threshold, gamma_max)[name]
                 breakdown.append(round_breakdown(target, drafter, prompts, c, setting, args, sps_table, trace))
     save()
-    for concurrency in args.concurrency:  # transformers' manager runs its own thread under no_grad
+    for concurrency in args.concurrency if args.paged else ():  # transformers' manager: its own thread, no_grad
         try:
             paged.append(run_paged(target, prompts, concurrency, args))
         except Exception as error:  # noqa: BLE001 - recorded, the rest of the benchmark stands
