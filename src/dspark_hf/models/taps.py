@@ -39,6 +39,13 @@ def layer_id_problems(layer_ids, num_layers: int) -> list[str]:
             for i in layer_ids if not -1 <= i < num_layers]
 
 
+def check_layer_ids(layer_ids, num_layers: int) -> None:
+    """Raises a `ValueError` listing `layer_id_problems`, if any."""
+    problems = layer_id_problems(layer_ids, num_layers)
+    if problems:
+        raise ValueError("; ".join(problems) + ".")
+
+
 class TargetLayerTap:
     """Captures the target's tapped hidden states during its forwards; a context manager (hooks live inside `with`).
 
@@ -50,9 +57,7 @@ class TargetLayerTap:
     def __init__(self, model: nn.Module, layer_ids):
         self.layer_ids = list(layer_ids)
         self.layers = decoder_layers(model)
-        problems = layer_id_problems(self.layer_ids, len(self.layers))
-        if problems:
-            raise ValueError("; ".join(problems) + ".")
+        check_layer_ids(self.layer_ids, len(self.layers))
         self._captured: dict[int, torch.Tensor] = {}
         self._handles: list = []
 

@@ -10,8 +10,8 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
-from ..models import DSparkConfig
-from .features import default_target_layer_ids, validate_target_layer_ids
+from ..models import DSparkConfig, check_layer_ids
+from .features import default_target_layer_ids
 from .losses import LossWeights
 
 
@@ -153,7 +153,7 @@ def build_drafter_config(target_config, config: TrainingConfig, tokenizer=None) 
     """A `DSparkConfig` sized for the target (hidden size, vocab, norms, RoPE) with the training config's drafter."""
     text = target_config.get_text_config()
     layer_ids = config.target_layer_ids or default_target_layer_ids(text.num_hidden_layers, config.num_draft_layers)
-    validate_target_layer_ids(layer_ids, text.num_hidden_layers)
+    check_layer_ids(layer_ids, text.num_hidden_layers)
     heads = config.num_attention_heads or text.num_attention_heads
     rope = getattr(text, "rope_parameters", None) or {}
     theta = rope.get("rope_theta", getattr(text, "rope_theta", 10000.0)) if isinstance(rope, dict) else 10000.0

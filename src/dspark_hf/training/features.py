@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
-from ..models import TargetLayerTap, layer_id_problems
+from ..models import TargetLayerTap
 
 
 @dataclass
@@ -28,12 +28,6 @@ class TargetFeatures:
 
     hidden: torch.Tensor
     last_hidden: torch.Tensor
-
-
-def validate_target_layer_ids(target_layer_ids: list[int], num_layers: int) -> None:
-    problems = layer_id_problems(target_layer_ids, num_layers)
-    if problems:
-        raise ValueError("; ".join(problems) + ".")
 
 
 def default_target_layer_ids(num_layers: int, num_draft_layers: int) -> list[int]:
