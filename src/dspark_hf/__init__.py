@@ -11,6 +11,7 @@ Importing the package registers `DSparkConfig` / `DSparkDraftModel` with `AutoCo
 from transformers import AutoConfig, AutoModel
 
 from . import checkpoints  # registers the checkpoint-format resolver used by DSparkDraftModel.from_pretrained
+from .attention_backends import decoding_attention
 from .generation import DSparkCandidateGenerator, DSparkStats, install
 from .models import DraftProposal, DSparkConfig, DSparkDraftModel
 
@@ -20,4 +21,5 @@ AutoConfig.register(DSparkConfig.model_type, DSparkConfig, exist_ok=True)
 AutoModel.register(DSparkConfig, DSparkDraftModel, exist_ok=True)
 install()
 
-__all__ = ["DSparkCandidateGenerator", "DSparkConfig", "DSparkDraftModel", "DSparkStats", "DraftProposal", "__version__"]
+__all__ = ["DSparkCandidateGenerator", "DSparkConfig", "DSparkDraftModel", "DSparkStats", "DraftProposal", "__version__",
+           "decoding_attention"]

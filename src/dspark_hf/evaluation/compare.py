@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from ..attention_backends import decoding_attention
 from ..generation import DSparkStats
 from ..models import DSparkDraftModel
 
@@ -46,7 +47,7 @@ def timed_generate(target: PreTrainedModel, input_ids: torch.LongTensor, **gener
     if target.device.type == "cuda":
         torch.cuda.synchronize(target.device)
     started = time.perf_counter()
-    with torch.no_grad():
+    with torch.no_grad(), decoding_attention():  # plain and DSpark runs use the same attention kernels
         output = target.generate(input_ids, **generate_kwargs)
     if target.device.type == "cuda":
         torch.cuda.synchronize(target.device)

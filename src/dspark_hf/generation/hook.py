@@ -30,6 +30,7 @@ from packaging.version import Version
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.utils import GENERATION_MODES_MAPPING, GenerationMixin
 
+from ..attention_backends import decoding_attention
 from ..models import DSparkDraftModel, TargetLayerTap
 from .candidate_generator import DSparkCandidateGenerator
 from .policy import register_generation_arguments, resolve_max_drafts, resolve_policy
@@ -143,6 +144,10 @@ def install() -> None:
         drafter = kwargs.get("assistant_model")
         if not isinstance(drafter, DSparkDraftModel):
             return original_assisted(self, input_ids, *args, **kwargs)
+        with decoding_attention():
+            return _dspark_decoding(self, drafter, input_ids, *args, **kwargs)
+
+    def _dspark_decoding(self, drafter, input_ids, *args, **kwargs):
         if input_ids.shape[0] > 1:
             from .batched import batched_generate
 

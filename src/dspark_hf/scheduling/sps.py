@@ -16,6 +16,8 @@ from typing import Any, Sequence
 
 import torch
 
+from ..attention_backends import decoding_attention
+
 __all__ = ["SPSTable"]
 
 
@@ -172,6 +174,7 @@ class SPSTable:
     # ------------------------------------------------------------------ profiling
     @classmethod
     @torch.inference_mode()
+    @decoding_attention()  # the attention kernels DSpark's decoding loops run with
     def profile(
         cls,
         model: Any,
