@@ -162,24 +162,30 @@ def main() -> None:
                         "the 50M code fixture + its DSpark drafter (float32), batch-1 timing on a random Qwen3-8B "
                         "shape (bf16; see benchmarks/big_common.py)", environment=environment(), tiny=args.tiny)
     parts = args.parts.split(",")
+
+    def save() -> None:  # after every part, so that a run cut short by a time limit keeps what it measured
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(payload, indent=2) + "\n")
+
     if "lossless" in parts:
         fixture = prepare_fixture(Path(args.fixture))
         payload["lossless"] = {"device_map": lossless(fixture, args.drafter, devices, False, args.prompts,
                                                       args.lossless_tokens),
                                "tp": run_tp(args, "lossless", fixture)}
-        print("lossless:", {k: v["all_identical"] for k, v in payload["lossless"].items()})
+        print("lossless:", {k: v["all_identical"] for k, v in payload["lossless"].items()}, flush=True)
+        save()
     if "device_map" in parts or "tp" in parts:
         folder = Path(tempfile.mkdtemp(prefix="random-target-"))
         payload["checkpoint"] = random_checkpoint(qwen3_config(args.tiny), torch.float32 if args.tiny
                                                   else torch.bfloat16, folder)
         if "device_map" in parts:
             payload["device_map"] = timing(folder, devices, False, args.tiny, args.new_tokens, args.prompt_tokens)
-            print("device_map:", describe(payload["device_map"]))
+            print("device_map:", describe(payload["device_map"]), flush=True)
+            save()
         if "tp" in parts:
             payload["tp"] = run_tp(args, "timing", folder)
-            print("tp:", describe(payload["tp"]))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(payload, indent=2) + "\n")
+            print("tp:", describe(payload["tp"]), flush=True)
+    save()
     print("->", out)
 
 
