@@ -3,11 +3,10 @@
 # materialize.py and HumanEval.jsonl.gz):
 #     bash benchmarks/gpu_serving_run.sh [benchmarks/serving.py arguments]
 # One model's policies can be split over several calls; results accumulate in benchmarks/results/serving_h200.json,
-# so copy $OUT's files into benchmarks/results/ between calls (the next call carries them in the working tree):
-#     call 1: --model code50m --policies no_spec fixed_1 fixed_3 --breakdown-at --no-paged
-#     call 2: --model code50m --policies fixed_7 static_threshold hardware_aware   (records the acceptance trace)
-#     call 3: --model qwen3-4b-shape --max-new-tokens 32 ...                        (replays it; timing only)
-# First attempt (2026-11-29): everything in one call; cut by its time limit (serving_h200_partial.json).
+# so copy $OUT's files into benchmarks/results/ between calls (the next call carries them in the working tree).
+# Runs of 2026-11-29 (each under 7 minutes):
+#     --model code50m --max-new-tokens 64 --breakdown-at 1 16 256     (records the acceptance trace)
+#     --model qwen3-4b-shape --max-new-tokens 32 --breakdown-at 1 64   (replays it; timing only)
 set -uo pipefail
 export PYTHONPATH=${DSPARK_SRC:-src}
 if [ ! -d ../shared/fixtures/code-llama-50m ]; then
@@ -17,6 +16,6 @@ if [ ! -d ../shared/fixtures/code-llama-50m ]; then
     cp carry_sched/HumanEval.jsonl.gz ../shared/data/humaneval/
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv
-python benchmarks/serving.py "$@" 2>&1 | grep -v Warning | tee "$OUT"/serving.log
+python benchmarks/serving.py "$@" 2>&1 | grep -v Warning | tee "$OUT"/serving.log  # kept as benchmarks/results/serving_<model>_h200.log
 cp benchmarks/results/serving_h200.json benchmarks/results/serving_h200.png "$OUT"/
 cp benchmarks/results/serving_trace_code50m.json "$OUT"/ 2>/dev/null || true

@@ -20,7 +20,8 @@ Models:
 
 Protocol (closed loop): for each concurrency c and policy, max(c, --min-requests) requests with `max_tokens`
 (`ignore_eos`: every request generates exactly that many) are queued at once into an engine with `max_batch_size=c`.
-A short warm-up run (8 tokens, same concurrency and policy) precedes each timed run. tokens/s = generated tokens /
+A short warm-up run (8 tokens, same concurrency and policy) precedes each timed run. All policies run at one
+concurrency before the next concurrency starts (the engine is host-bound, and the device machine's host speed drifts). tokens/s = generated tokens /
 wall-clock seconds. The SPS table of the hardware-aware policy is profiled in the same run. `hf_paged` is
 transformers' own continuous batching (paged attention, no speculation, CUDA graphs off like ours) on the same
 requests: the padded-vs-paged comparison of docs/serving.md. The summary ratios are minima over every model and
@@ -34,6 +35,7 @@ import argparse
 import contextlib
 import functools
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -240,6 +242,8 @@ def run_cell(target, drafter, prompts, concurrency: int, setting: dict, args, sp
     return dict(
         concurrency=concurrency, requests=len(handles), generated_tokens=tokens, seconds=seconds,
         tokens_per_second=tokens / seconds, rounds=len(log), round_ms=1e3 * seconds / max(1, len(log)),
+        round_ms_median=1e3 * statistics.median(e["seconds"] for e in log) if log else None,
+        round_ms_max=1e3 * max(e["seconds"] for e in log) if log else None,
         tau=(sum(accepted) + len(accepted)) / max(1, len(accepted)),
         verify_length_histogram={str(k): v for k, v in sorted(Counter(n for e in log for n in e["verify"]).items())},
         mean_batch=sum(e["batch"] for e in log) / max(1, len(log)),
@@ -310,8 +314,8 @@ def round_breakdown(target, drafter, prompts, concurrency: int, setting: dict, a
     runner._verify_lengths = timed(lambda a, k: "policy", runner._verify_lengths)
     runner._target_forward = timed(lambda a, k: "prefill" if k.get("keep_last_only") else "target_forward",
                                    runner._target_forward)
-    context = trace.replaying(engine, seed=1) if trace is not None else contextlib.nullcontext()
-    with context:
+    replay = trace is not None and engine.drafter is not None
+    with trace.replaying(engine, seed=1) if replay else contextlib.nullcontext():
         runner.sampler.verify = timed(lambda a, k: "verify", runner.sampler.verify)
         handles, seconds = drive(engine, prompts, concurrency, args)
     rounds = max(1, len(engine.round_log))
@@ -437,20 +441,23 @@ def main() -> None:
         print({k: payload[k] for k in ("scheduler_vs_best_static_min_ratio", "scheduler_vs_nospec_min_ratio")},
               flush=True)
 
+    chosen = {name: setting for name, setting in policies(args.threshold, gamma_max).items()
+              if not args.policies or name in args.policies}
     with torch.inference_mode():
-        for name, setting in policies(args.threshold, gamma_max).items():
-            if args.policies and name not in args.policies:
-                continue
-            for concurrency in args.concurrency:
+        # concurrency outside, policies inside: the policies compared at one concurrency run minutes apart at most,
+        # so that slow drifts of the (shared) host's speed do not favour one policy
+        for concurrency in args.concurrency:
+            for name, setting in chosen.items():
                 # warm-up at this shape: Triton specialises the verify kernels on the batch's chunking
                 run_cell(target, drafter, prompts, concurrency, setting, warm_up, sps_table, trace)
                 record = recorded if (name == "fixed_7" and gamma_max == 7 and trace is None) else None
                 cell = run_cell(target, drafter, prompts, concurrency, setting, args, sps_table, trace, record)
                 results.setdefault(name, []).append(cell)
                 print(f"{args.model} {name:>16} c={concurrency:<4} {cell['tokens_per_second']:9.1f} tok/s  "
-                      f"tau={cell['tau']:.2f}  round={cell['round_ms']:.1f} ms  holes={cell['mean_hole_fraction']:.2f}"
+                      f"tau={cell['tau']:.2f}  round={cell['round_ms']:.1f} ms (median {cell['round_ms_median']:.1f}, max "
+                      f"{cell['round_ms_max']:.0f})  holes={cell['mean_hole_fraction']:.2f}"
                       f"  plain rounds={cell['plain_round_fraction']:.2f}", flush=True)
-            if name == "fixed_7" and recorded:
+            if recorded:
                 merged = AcceptanceTrace(torch.cat([t.confidences for t in recorded]),
                                          torch.cat([t.accepted for t in recorded]), prompts)
                 merged.save(TRACE if args.model == "code50m" else out.with_name("serving_trace_smoke.json"))

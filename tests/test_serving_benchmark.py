@@ -1,0 +1,56 @@
+"""The serving benchmark's acceptance traces (benchmarks/serving.py): recording real rounds, replaying them on an
+engine whose drafter accepts nothing, and the round breakdown with a replayed trace (tiny random models, CPU)."""
+
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+serving = pytest.importorskip("serving")
+
+ARGS = argparse.Namespace(max_new_tokens=16, min_requests=2)
+FIXED = dict(policy="fixed", gamma=7)
+
+
+@pytest.fixture(scope="module")
+def models():
+    return serving.tiny_models()
+
+
+def trace_accepting(count: int, prompts, rows: int = 64) -> "serving.AcceptanceTrace":
+    torch.manual_seed(0)
+    return serving.AcceptanceTrace(torch.randn(rows, 7), torch.full((rows,), count), prompts)
+
+
+@torch.inference_mode()
+def test_recording_keeps_full_length_rounds(models):
+    target, drafter, prompts = models
+    recorded = []
+    cell = serving.run_cell(target, drafter, prompts, 2, FIXED, ARGS, None, recorded=recorded)
+    (trace,) = recorded
+    assert trace.confidences.shape[1] == 7 and len(trace.accepted) == len(trace.confidences) > 0
+    assert 0 <= int(trace.accepted.min()) and int(trace.accepted.max()) <= 7
+    # one entry per request-round that verified all 7 drafts
+    assert len(trace.accepted) == cell["verify_length_histogram"]["7"]
+
+
+@pytest.mark.parametrize("accepted, low, high", [(0, 1.0, 1.0), (7, 4.0, 8.0)])
+@torch.inference_mode()
+def test_replay_sets_acceptance(models, accepted, low, high):
+    target, drafter, prompts = models
+    trace = trace_accepting(accepted, prompts)
+    cell = serving.run_cell(target, drafter, prompts, 2, FIXED, ARGS, None, trace=trace)
+    assert low <= cell["tau"] <= high
+    assert cell["generated_tokens"] == cell["requests"] * ARGS.max_new_tokens
+
+
+@torch.inference_mode()
+def test_round_breakdown_with_a_trace_covers_no_speculation(models):
+    target, drafter, prompts = models
+    trace = trace_accepting(3, prompts)
+    for setting in (dict(policy="none"), FIXED):
+        parts = serving.round_breakdown(target, drafter, prompts, 2, setting, ARGS, None, trace)["ms_per_round"]
+        assert parts["target_forward"] > 0 and ("draft" in parts) == (setting["policy"] != "none")
