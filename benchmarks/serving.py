@@ -205,8 +205,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def make_engine(target, drafter, concurrency: int, setting: dict, sps_table) -> DSparkEngine:
-    kwargs = dict(setting)
+def make_engine(target, drafter, concurrency: int, setting: dict, sps_table, **options) -> DSparkEngine:
+    kwargs = dict(setting, **options)
     if kwargs.get("policy") == "hardware_aware":
         kwargs["sps_table"] = sps_table
     return DSparkEngine(target, drafter if kwargs.get("policy") != "none" else None, max_batch_size=concurrency,
@@ -293,36 +293,15 @@ def run_paged(target, prompts, concurrency: int, args) -> dict:
 
 
 def round_breakdown(target, drafter, prompts, concurrency: int, setting: dict, args, sps_table, trace) -> dict:
-    """ms per round in: drafting (backbone + Markov/sampling), policy, target forwards (prefill separately),
-    verification, and the rest (host bookkeeping). Synchronises around each part, so the total is a bit slower."""
-    engine = make_engine(target, drafter, concurrency, setting, sps_table)
-    runner, device = engine.runner, target.device
-    totals = Counter()
-
-    def timed(name_of, function):
-        @functools.wraps(function)
-        def wrapper(*a, **k):
-            _sync(device)
-            start = time.perf_counter()
-            out = function(*a, **k)
-            _sync(device)
-            totals[name_of(a, k)] += time.perf_counter() - start
-            return out
-        return wrapper
-
-    runner._draft = timed(lambda a, k: "draft", runner._draft)
-    runner._verify_lengths = timed(lambda a, k: "policy", runner._verify_lengths)
-    runner._target_forward = timed(lambda a, k: "prefill" if k.get("keep_last_only") else "target_forward",
-                                   runner._target_forward)
+    """ms per round in each part (`DSparkEngine(profile_rounds=True)`: prefill, draft backbone, Markov + sampling,
+    scheduler, verify forward, verification, bookkeeping). Synchronises around each part, so the total is a bit
+    slower than an unprofiled round."""
+    engine = make_engine(target, drafter, concurrency, setting, sps_table, profile_rounds=True)
     replay = trace is not None and engine.drafter is not None
     with trace.replaying(engine, seed=1) if replay else contextlib.nullcontext():
-        runner.sampler.verify = timed(lambda a, k: "verify", runner.sampler.verify)
-        handles, seconds = drive(engine, prompts, concurrency, args)
-    rounds = max(1, len(engine.round_log))
-    parts = {name: 1e3 * value / rounds for name, value in totals.items()}
-    parts["bookkeeping"] = 1e3 * seconds / rounds - sum(parts.values())
-    return dict(concurrency=concurrency, policy=setting.get("policy"), rounds=rounds,
-                ms_per_round={k: round(v, 3) for k, v in parts.items()})
+        drive(engine, prompts, concurrency, args)
+    return dict(concurrency=concurrency, policy=setting.get("policy"), rounds=engine.runner.profiler.rounds,
+                ms_per_round={k: round(v, 3) for k, v in engine.round_profile().items()})
 
 
 # ---------------------------------------------------------------------------------------------------- report

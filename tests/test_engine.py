@@ -262,3 +262,26 @@ def test_guard_on_by_default_for_hardware_aware_only(models):
     assert DSparkEngine(target, drafter, policy="fixed").runner.guard is None
     assert DSparkEngine(target, drafter, policy="hardware_aware", sps_table=table,
                         speculation_guard=False).runner.guard is None
+
+
+@pytest.mark.parametrize("policy", ["fixed", "none"])
+def test_round_profile_splits_each_round_and_changes_nothing(models, policy):
+    target, drafter = models
+    engine = DSparkEngine(target, drafter, policy=policy, max_batch_size=3, profile_rounds=True,
+                          default_sampling={"temperature": 0})
+    rng = random.Random(5)
+    handles = [engine.add_request([rng.randrange(4, VOCAB_SIZE) for _ in range(rng.randint(2, 8))], max_tokens=12)
+               for _ in range(5)]
+    engine.run()
+    for handle in handles:
+        assert handle.tokens == solo(target, handle.prompt_ids, 12)
+    ms = engine.round_profile()
+    assert set(ms) == {*dspark_hf.generation.profiling.PARTS, "round"}
+    assert all(value >= 0 for value in ms.values())
+    assert sum(ms[part] for part in dspark_hf.generation.profiling.PARTS) == pytest.approx(ms["round"])
+    assert ms["prefill"] > 0 and ms["verify_forward"] > 0 and ms["verification"] > 0
+    drafting = ("draft_backbone", "markov_sampling", "scheduler")
+    assert all((ms[part] > 0) == (policy == "fixed") for part in drafting)
+    assert engine.runner.profiler.rounds == sum(1 for _ in engine.round_log)
+    with pytest.raises(ValueError, match="profile_rounds"):
+        DSparkEngine(target, drafter).round_profile()

@@ -53,4 +53,4 @@ def test_round_breakdown_with_a_trace_covers_no_speculation(models):
     trace = trace_accepting(3, prompts)
     for setting in (dict(policy="none"), FIXED):
         parts = serving.round_breakdown(target, drafter, prompts, 2, setting, ARGS, None, trace)["ms_per_round"]
-        assert parts["target_forward"] > 0 and ("draft" in parts) == (setting["policy"] != "none")
+        assert parts["verify_forward"] > 0 and (parts["draft_backbone"] > 0) == (setting["policy"] != "none")

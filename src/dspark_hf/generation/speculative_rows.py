@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import inspect
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -32,6 +32,7 @@ from ..calibration import apply_sts
 from ..models import DSparkDraftModel, TargetLayerTap
 from ..scheduling import SchedulerPolicy, SpeculationGuard
 from ..verify import VerifyResult
+from .profiling import RoundProfiler
 from .ragged import RaggedBatch
 
 
@@ -129,6 +130,10 @@ class SpeculativeRows:
         self.confidence_history: list[torch.Tensor] = []  # the asynchronous policy reads confidences 2 rounds old
         self.drafted_last_round = False
         self.device = target.device
+        self.profiler: RoundProfiler | None = None  # set to time each round's parts
+
+    def _part(self, name: str):
+        return self.profiler.part(name) if self.profiler is not None else nullcontext()
 
     # ------------------------------------------------------------------ forward helpers
     def _target_forward(self, ids, mask, positions, cache, keep_last_only: bool = False):
@@ -149,6 +154,10 @@ class SpeculativeRows:
         Returns the tokens committed per new row (one each)."""
         if not rows:
             return []
+        with self._part("prefill"):
+            return self._add(rows)
+
+    def _add(self, rows: list[Row]) -> list[list[int]]:
         width = max(len(row.ids) for row in rows)
         ids = torch.zeros(len(rows), width, dtype=torch.long)
         mask = torch.zeros(len(rows), width, dtype=torch.bool)
@@ -251,11 +260,13 @@ class SpeculativeRows:
         draft_now = self.speculate and (self.guard is None or self.guard.should_draft(state.size))
         self.drafted_last_round = draft_now
         if draft_now:
-            drafted = self._draft()
+            with self.profiler.drafting(self.drafter) if self.profiler is not None else nullcontext():
+                drafted = self._draft()
             if drafted is not None:
                 tokens, draft_logits, confidence = drafted
-                available = self._available(tokens)
-                lengths = self._verify_lengths(available, confidence)
+                with self._part("scheduler"):
+                    available = self._available(tokens)
+                    lengths = self._verify_lengths(available, confidence)
                 longest = int(lengths.max())
                 drafts = tokens[:, :longest].to(self.device)
                 draft_logits = draft_logits[:, :longest]
@@ -269,9 +280,10 @@ class SpeculativeRows:
         ids = torch.cat([state.anchor.to(self.device)[:, None], drafts], dim=1)
         positions = state.next_pos.to(self.device)[:, None] + torch.arange(span, device=self.device)
         mask = torch.cat([state.valid, torch.ones(state.size, span, dtype=torch.bool, device=state.valid.device)], 1)
-        logits, features = self._target_forward(ids, mask.long(), positions, state.target_cache)
-
-        result = self.sampler.verify(rows, drafts, lengths, logits, draft_logits)
+        with self._part("verify_forward"):
+            logits, features = self._target_forward(ids, mask.long(), positions, state.target_cache)
+        with self._part("verification"):
+            result = self.sampler.verify(rows, drafts, lengths, logits, draft_logits)
         accepted = result.num_accepted.to(self.device)
         emitted = result.output_tokens.to(self.device)
         rows_index = torch.arange(state.size, device=self.device)

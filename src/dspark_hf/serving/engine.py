@@ -20,6 +20,7 @@ import itertools
 import threading
 import time
 from collections import deque
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -27,6 +28,7 @@ from transformers import PreTrainedModel
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from ..generation.policy import resolve_policy
+from ..generation.profiling import RoundProfiler
 from ..generation.speculative_rows import Row, SpeculativeRows, check_batchable_target, ragged_drafts, ragged_rows
 from ..generation.target_features import check_drafter_fits_target
 from ..models import DSparkDraftModel
@@ -119,13 +121,15 @@ class DSparkEngine:
         speculation_guard: plain rounds instead of speculative ones while drafting does not pay at the current
             batch size, measured online (`scheduling.SpeculationGuard`). Default (None): on for the hardware-aware
             policies, off for the others (a fixed γ means every round drafts). True / False / a guard instance.
+        profile_rounds: time each round's parts (`round_profile()`); synchronises the device at every part boundary,
+            so it slows the engine down a little.
     """
 
     def __init__(self, target: PreTrainedModel, drafter: DSparkDraftModel | None = None, tokenizer=None, *,
                  policy: str | SchedulerPolicy | None = None, gamma: int | None = None, threshold: float | None = None,
                  sps_table: SPSTable | str | None = None, max_batch_size: int = 64, max_model_len: int | None = None,
                  seed: int = 0, default_sampling: dict | None = None, compact_threshold: float = 0.5,
-                 speculation_guard: bool | SpeculationGuard | None = None):
+                 speculation_guard: bool | SpeculationGuard | None = None, profile_rounds: bool = False):
         check_batchable_target(target)
         if drafter is not None:
             check_drafter_fits_target(drafter.config, target)
@@ -150,6 +154,8 @@ class DSparkEngine:
         self.runner = SpeculativeRows(target, drafter if speculate else None, RequestSampler(self.generator),
                                       scheduler, drafter.config.sts_temperatures if drafter is not None else None,
                                       compact_threshold=compact_threshold, guard=speculation_guard or None)
+        if profile_rounds:
+            self.runner.profiler = RoundProfiler(target.device)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.round_log: list[dict] = []  # per round: batch, verify lengths, accepted, drafted?, width, holes, seconds
@@ -258,6 +264,12 @@ class DSparkEngine:
         self.runner.remove(cancelled)
         if not admitted and not self.runner.rows:
             return bool(cancelled)
+        with self.runner.profiler.round() if self.runner.profiler is not None else nullcontext():
+            self._round(admitted)
+        return True
+
+    def _round(self, admitted: list[Request]) -> None:
+        """Admits `admitted` (one prefill), then one draft + verify round for every running request."""
         started = time.perf_counter()
         if admitted:
             rows = []
@@ -275,7 +287,13 @@ class DSparkEngine:
                                        speculative=self.runner.drafted_last_round, width=state.width,
                                        holes=state.hole_fraction(), seconds=time.perf_counter() - started))
             self.runner.remove(self._deliver(rows, committed))
-        return True
+
+    def round_profile(self) -> dict[str, float]:
+        """Milliseconds per round in each part (`generation.profiling.PARTS`) and in all, over the rounds so far.
+        Needs `profile_rounds=True`."""
+        if self.runner.profiler is None:
+            raise ValueError("round_profile() needs DSparkEngine(..., profile_rounds=True).")
+        return self.runner.profiler.report()
 
     def run(self) -> dict[str, RequestOutput]:
         """Steps until every request has finished; returns every request's output by id."""
