@@ -192,5 +192,6 @@ def describe(result: dict) -> str:
              f"tau {spec['tau']:.2f}, round {spec['round_ms']:.1f} ms (draft {spec['draft_ms_per_round']:.1f}), "
              f"break-even tau {spec['break_even_tau']:.2f}, drafter on {result['drafter_device']}"]
     for name, row in result["projected"].items():
-        lines.append(f"  projected at {name} (tau {row['tau']:.2f}): {row['tokens_per_s']:.1f} tok/s x{row['speedup']:.2f}")
+        lines.append(f"  projected at {name} (tau {row['tau']:.2f}): {row['tokens_per_s']:.1f} tok/s "
+                     f"x{row['speedup']:.2f}")
     return "\n".join(lines)

@@ -21,12 +21,12 @@ Models:
 Protocol (closed loop): for each concurrency c and policy, max(c, --min-requests) requests with `max_tokens`
 (`ignore_eos`: every request generates exactly that many) are queued at once into an engine with `max_batch_size=c`.
 A short warm-up run (8 tokens, same concurrency and policy) precedes each timed run. All policies run at one
-concurrency before the next concurrency starts (the engine is host-bound, and the device machine's host speed drifts). tokens/s = generated tokens /
-wall-clock seconds. The SPS table of the hardware-aware policy is profiled in the same run. `hf_paged` is
-transformers' own continuous batching (paged attention, no speculation, CUDA graphs off like ours) on the same
-requests: the padded-vs-paged comparison of docs/serving.md. The summary ratios are minima over every model and
-concurrency: `scheduler_vs_best_static_min_ratio` (hardware-aware / best of fixed γ ∈ {1,3,7} and static threshold) and
-`scheduler_vs_nospec_min_ratio` (hardware-aware / no speculation).
+concurrency before the next concurrency starts, so that a drift over the run affects every policy alike. tokens/s =
+generated tokens / wall-clock seconds. The SPS table of the hardware-aware policy is profiled in the same run.
+`hf_paged` is transformers' own continuous batching (paged attention, no speculation, CUDA graphs off like ours) on
+the same requests: the padded-vs-paged comparison of docs/serving.md. The summary ratios are minima over every model and
+concurrency: `scheduler_vs_best_static_min_ratio` (hardware-aware / best of fixed γ ∈ {1,3,7} and static
+threshold) and `scheduler_vs_nospec_min_ratio` (hardware-aware / no speculation).
 """
 
 from __future__ import annotations
@@ -423,8 +423,7 @@ def main() -> None:
     chosen = {name: setting for name, setting in policies(args.threshold, gamma_max).items()
               if not args.policies or name in args.policies}
     with torch.inference_mode():
-        # concurrency outside, policies inside: the policies compared at one concurrency run minutes apart at most,
-        # so that slow drifts of the (shared) host's speed do not favour one policy
+        # concurrency outside, policies inside: the policies compared at one concurrency run minutes apart at most
         for concurrency in args.concurrency:
             for name, setting in chosen.items():
                 # warm-up at this shape: Triton specialises the verify kernels on the batch's chunking
@@ -433,9 +432,9 @@ def main() -> None:
                 cell = run_cell(target, drafter, prompts, concurrency, setting, args, sps_table, trace, record)
                 results.setdefault(name, []).append(cell)
                 print(f"{args.model} {name:>16} c={concurrency:<4} {cell['tokens_per_second']:9.1f} tok/s  "
-                      f"tau={cell['tau']:.2f}  round={cell['round_ms']:.1f} ms (median {cell['round_ms_median']:.1f}, max "
-                      f"{cell['round_ms_max']:.0f})  holes={cell['mean_hole_fraction']:.2f}"
-                      f"  plain rounds={cell['plain_round_fraction']:.2f}", flush=True)
+                      f"tau={cell['tau']:.2f}  round={cell['round_ms']:.1f} ms "
+                      f"(median {cell['round_ms_median']:.1f}, max {cell['round_ms_max']:.0f})  "
+                      f"holes={cell['mean_hole_fraction']:.2f}  plain rounds={cell['plain_round_fraction']:.2f}", flush=True)
             if recorded:
                 merged = AcceptanceTrace(torch.cat([t.confidences for t in recorded]),
                                          torch.cat([t.accepted for t in recorded]), prompts)

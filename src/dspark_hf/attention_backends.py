@@ -2,11 +2,12 @@
 
 On an H200 with torch 2.11, `scaled_dot_product_attention` ran cuDNN attention in our profiles
 (benchmarks/results/engine_profile_h200.txt), and cuDNN builds an execution plan for every input shape it has not
-seen (reported by other projects, e.g. modelscope/FunASR issue 3704). A decoding loop changes the shape almost every round: the KV length grows, and the padding mask of a
-batch changes. So every round may pay a plan build. On an H200 (torch 2.11) the engine's rounds took about 15-65 ms longer
-than the same forward at shapes an earlier run had already seen, for the 50M fixture and a 4B shape alike
-(docs/serving.md), which is what per-shape plan builds would cost; `benchmarks/engine_profile.py --compare-plain`
-is the direct check. Flash and memory-efficient attention need no per-shape plan.
+seen (reported by other projects, e.g. modelscope/FunASR issue 3704). A decoding loop changes the shape almost every
+round: the KV length grows, and the padding mask of a batch changes. So every round may pay a plan build. On the
+H200 the engine's rounds took about 15-65 ms longer than the same forward at shapes an earlier run had already seen,
+for the 50M fixture and a 4B shape alike (docs/serving.md), which is what per-shape plan builds would cost;
+`benchmarks/engine_profile.py --compare-plain` is the direct check. Flash and memory-efficient attention need no
+per-shape plan.
 
 `decoding_attention()` keeps every backend that is enabled and only moves cuDNN to the end of the priority order,
 for the duration of the block. DSpark's loops (`generate(assistant_model=...)`, batched generation, the engine) run
