@@ -434,7 +434,8 @@ def main() -> None:
                 print(f"{args.model} {name:>16} c={concurrency:<4} {cell['tokens_per_second']:9.1f} tok/s  "
                       f"tau={cell['tau']:.2f}  round={cell['round_ms']:.1f} ms "
                       f"(median {cell['round_ms_median']:.1f}, max {cell['round_ms_max']:.0f})  "
-                      f"holes={cell['mean_hole_fraction']:.2f}  plain rounds={cell['plain_round_fraction']:.2f}", flush=True)
+                      f"holes={cell['mean_hole_fraction']:.2f}  plain rounds={cell['plain_round_fraction']:.2f}",
+                      flush=True)
             if recorded:
                 merged = AcceptanceTrace(torch.cat([t.confidences for t in recorded]),
                                          torch.cat([t.accepted for t in recorded]), prompts)
