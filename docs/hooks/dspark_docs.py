@@ -31,6 +31,7 @@ API_MODULES = [
     ("Generation", "dspark_hf.generation", "generation", ["dspark_hf.DSparkStats", "dspark_hf.generation.policy",
                                                           "dspark_hf.generation.hook",
                                                           "dspark_hf.generation.profiling",
+                                                          "dspark_hf.generation.static_loop",
                                                           "dspark_hf.attention_backends"]),
     ("Evaluation", "dspark_hf.evaluation", "evaluation", None),
     ("Calibration", "dspark_hf.calibration", "calibration", None),

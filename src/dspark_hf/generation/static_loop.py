@@ -1,0 +1,148 @@
+"""Batch-1 DSpark decoding on a static KV cache: the first piece of the fast path (experimental).
+
+`static_generate(target, drafter, input_ids, max_new_tokens)` decodes like `generate(assistant_model=drafter)` at
+batch 1 with a fixed verify length, but every verify forward has the same shape and touches no new memory:
+
+- the target's cache is a transformers `StaticCache` sized for the whole generation;
+- each round feeds `[anchor, γ drafts]` at the next positions, always γ + 1 tokens;
+- rejected tokens are rolled back by moving the cache's write position back (their stale K/V sit beyond every later
+  query's position, masked out, and the next round overwrites them);
+- one host synchronisation per round (the accepted count and the emitted tokens, fetched together).
+
+So `compile=True` can hand the verify forward to `torch.compile(mode="reduce-overhead")`, which captures it as a CUDA
+graph on a GPU. The prefill and the drafter run eagerly, as in `generate()`. Greedy output equals plain `generate()`
+(float32); sampling is lossless through `dspark_hf.verify`. Only temperature / top-k / top-p processing and eos /
+`max_new_tokens` stopping are supported; the drafter may not tap the target's last layer (transformers returns it
+after the final norm). Whether the compiled path is faster on a GPU has not been measured yet (docs/how-it-works.md).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel, StaticCache
+from transformers.cache_utils import DynamicCache
+
+from ..models import DSparkDraftModel
+from ..verify import verify
+from ..verify.reference import processed_scores
+from .target_features import check_drafter_fits_target
+
+
+class StaticVerifier:
+    """The target on a `StaticCache`: `prefill(prompt)` and `forward(ids, start)` (the verify shape), each returning
+    float32 logits and the drafter's features (the tapped hidden states, concatenated); `rollback(length)`."""
+
+    def __init__(self, target: PreTrainedModel, layer_ids: list[int], max_length: int, compile: bool | dict = False):
+        last = target.config.get_text_config().num_hidden_layers - 1
+        if last in layer_ids:
+            raise ValueError(f"static_generate() reads features through output_hidden_states, whose last entry is "
+                             f"normalised; this drafter taps the target's last layer ({last}). Use generate().")
+        self.target, self.layer_ids = target, list(layer_ids)
+        self.cache = StaticCache(config=target.config, max_cache_len=max_length)
+        self.verify_forward = self._forward
+        if compile:
+            options = compile if isinstance(compile, dict) else dict(mode="reduce-overhead", dynamic=False)
+            self.verify_forward = torch.compile(self._forward, **options)
+
+    def _forward(self, ids: torch.LongTensor, positions: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.target(input_ids=ids, position_ids=positions, past_key_values=self.cache, use_cache=True,
+                          output_hidden_states=True)
+        features = torch.cat([out.hidden_states[i + 1] for i in self.layer_ids], dim=-1)
+        return out.logits.float(), features
+
+    def prefill(self, ids: torch.LongTensor):
+        return self._forward(ids, torch.arange(ids.shape[1], device=ids.device)[None])
+
+    def forward(self, ids: torch.LongTensor, start: torch.Tensor):
+        return self.verify_forward(ids, start + torch.arange(ids.shape[1], device=ids.device)[None])
+
+    def rollback(self, length: torch.Tensor) -> None:
+        """Sets every layer's write position to `length` (a 0-d device tensor: no host sync)."""
+        for layer in self.cache.layers:
+            layer.cumulative_length.copy_(length)
+
+
+@torch.no_grad()
+def static_generate(
+    target: PreTrainedModel,
+    drafter: DSparkDraftModel,
+    input_ids: torch.LongTensor,
+    max_new_tokens: int,
+    *,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_token_id: int | list[int] | None = None,
+    compile: bool | dict = False,
+    seed: int | None = None,
+) -> torch.LongTensor:
+    """`[1, L]` prompt -> `[1, L + n]` with n <= max_new_tokens (fewer when eos ends it, eos kept).
+
+    `eos_token_id` defaults to the target's generation config. `compile`: True for `torch.compile(mode=
+    "reduce-overhead", dynamic=False)` of the verify forward, or a dict of `torch.compile` options. `seed` seeds the
+    draft sampling and verification noise."""
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"static_generate() decodes one prompt [1, L]; got shape {tuple(input_ids.shape)}.")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
+    if do_sample and temperature <= 0:
+        raise ValueError("temperature must be > 0 for sampling; use do_sample=False for greedy.")
+    check_drafter_fits_target(drafter.config, target)
+    drafter.share_target_weights(target)
+    device, length = target.device, input_ids.shape[1]
+    gamma, block = drafter.config.num_draft_slots, drafter.config.block_size
+    eos = target.generation_config.eos_token_id if eos_token_id is None else eos_token_id
+    eos_ids = set([eos] if isinstance(eos, int) else (eos or []))
+    generator = torch.Generator(device=device)
+    if seed is not None:
+        generator.manual_seed(seed)
+    else:
+        generator.seed()
+    temperatures = torch.tensor([temperature], device=device)
+    top_ks = None if top_k is None else torch.tensor([top_k], device=device)
+    top_ps = None if top_p is None else torch.tensor([top_p], device=device)
+
+    def choose(drafted, logits):  # draft slot i: the processed logits and the token drawn from them
+        if not do_sample:
+            return logits.argmax(dim=-1), logits
+        processed = processed_scores(logits, temperatures, top_ks, top_ps)
+        return torch.multinomial(processed.softmax(dim=-1), 1, generator=generator).squeeze(1), processed
+
+    verifier = StaticVerifier(target, drafter.config.target_layer_ids, length + max_new_tokens + block + 1, compile)
+    logits, features = verifier.prefill(input_ids.to(device))
+    first = choose(None, logits[:, -1])[0]
+    out = [int(first)]
+    drafter_cache, context = DynamicCache(), 0
+    committed = torch.tensor(length, device=device)  # target positions with committed K/V (the anchor is next)
+    position = length
+    while len(out) < max_new_tokens and out[-1] not in eos_ids:  # (eos inside a round ends the loop below)
+        anchor = torch.tensor([out[-1]], device=device)
+        proposal = drafter.draft(anchor, features.to(drafter.device), drafter_cache,
+                                 position_ids=torch.arange(position, position + block, device=drafter.device)[None],
+                                 context_position_ids=torch.arange(context, position, device=drafter.device)[None],
+                                 select=choose)
+        context = position
+        drafts = proposal.tokens.to(device)
+        logits, step_features = verifier.forward(torch.cat([anchor[:, None], drafts], dim=1), committed)
+        probs = proposal.logits[0].softmax(dim=-1) if do_sample else None
+        seeds = torch.randint(-(2**62), 2**62, (1,), generator=generator, device=device)
+        result = verify(drafts[0], torch.tensor([gamma], device=device), logits[0], probs, do_sample=do_sample,
+                        temperature=temperature if do_sample else 1.0, top_k=top_k if do_sample else None,
+                        top_p=top_p if do_sample else None, seeds=seeds, max_draft_len=gamma)
+        accepted = result.num_accepted[0]
+        committed = committed + accepted + 1
+        verifier.rollback(committed)
+        host = torch.cat([result.num_accepted, result.output_tokens[0]]).tolist()  # the round's one sync
+        emitted = host[1: host[0] + 2]
+        features = step_features[:, : host[0] + 1].clone()  # a CUDA graph reuses its output buffers next replay
+        position += len(emitted)
+        out += emitted
+        if eos_ids.intersection(emitted):
+            break
+    out = out[:max_new_tokens]
+    for index, token in enumerate(out):
+        if token in eos_ids:
+            out = out[: index + 1]
+            break
+    return torch.cat([input_ids, torch.tensor([out], dtype=input_ids.dtype, device=input_ids.device)], dim=1)

@@ -1,0 +1,94 @@
+"""`static_generate`: batch-1 DSpark decoding on a static KV cache with position rollback. Greedy output equals plain
+`generate()` (float32) with good and bad drafters, eos inside a round, budgets that end mid-round, and the verify
+forward traced by torch.compile; sampling follows the target's exact distribution (chi-square, see
+test_generation_sampling.py for the protocol and the stated false-alarm rate)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_generation_sampling import ALPHA, NEW_TOKENS, PROMPT, chi_square_p_value, exact_distribution, oracle_drafter
+from tiny_models import install_bigram_oracle, make_bigram_like, tiny_drafter, tiny_target
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+
+import dspark_hf  # noqa: F401
+from dspark_hf.generation import static_generate
+
+VOCAB_SIZE, EOS = 48, 2
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def target(request):
+    return make_bigram_like(tiny_target(request.param, vocab_size=VOCAB_SIZE, eos_token_id=EOS))
+
+
+def drafters(target):
+    good = install_bigram_oracle(tiny_drafter(target, block_size=5, markov_rank=VOCAB_SIZE), target)
+    return {"good": good, "random": tiny_drafter(target, block_size=5, seed=3)}
+
+
+def plain(target, prompt, max_new_tokens, **kwargs):
+    return target.generate(prompt, max_new_tokens=max_new_tokens, do_sample=False, **kwargs)
+
+
+@pytest.mark.parametrize("prompt", [[7], [5, 9, 11, 4, 30, 8], list(range(4, 24))])
+@pytest.mark.parametrize("max_new_tokens", [1, 13, 40])
+def test_greedy_equals_plain_generate(target, prompt, max_new_tokens):
+    ids = torch.tensor([prompt])
+    expected = plain(target, ids, max_new_tokens)
+    for name, drafter in drafters(target).items():
+        assert torch.equal(static_generate(target, drafter, ids, max_new_tokens), expected), name
+
+
+def test_eos_inside_a_round_ends_where_plain_decoding_does(target):
+    for first in range(4, VOCAB_SIZE):  # a prompt whose continuation meets a new token after its first
+        ids = torch.tensor([[first, 9, 11]])
+        continuation = plain(target, ids, 30)[0, 3:].tolist()
+        index = next((i for i in range(1, 30) if continuation[i] not in continuation[:i]), None)
+        if index is not None:
+            break
+    stop = continuation[index]  # made the eos: plain decoding ends there, inside one of our rounds
+    expected = plain(target, ids, 30, eos_token_id=stop)
+    assert expected.shape[1] == 3 + index + 1
+    for name, drafter in drafters(target).items():
+        assert torch.equal(static_generate(target, drafter, ids, 30, eos_token_id=stop), expected), name
+
+
+def test_compiled_verify_forward_gives_the_same_tokens(target):
+    good = drafters(target)["good"]
+    ids = torch.tensor([[5, 9, 11]])
+    compiled = static_generate(target, good, ids, 20, compile=dict(backend="eager", dynamic=False))
+    assert torch.equal(compiled, plain(target, ids, 20))
+
+
+def test_refusals(target):
+    good = drafters(target)["good"]
+    with pytest.raises(ValueError, match="one prompt"):
+        static_generate(target, good, torch.tensor([[5, 6], [7, 8]]), 4)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        static_generate(target, good, torch.tensor([[5, 6]]), 0)
+    last = tiny_drafter(target, target_layer_ids=(0, target.config.num_hidden_layers - 1))
+    with pytest.raises(ValueError, match="last layer"):
+        static_generate(target, last, torch.tensor([[5, 6]]), 4)
+
+
+@pytest.fixture(scope="module")
+def small_target():
+    model = make_bigram_like(tiny_target("qwen3", vocab_size=6, eos_token_id=None), damping=0.3)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(6.0)
+    return model
+
+
+@pytest.mark.parametrize("sampling,processors", [
+    (dict(temperature=1.0), LogitsProcessorList()),
+    (dict(temperature=0.7, top_p=0.8), LogitsProcessorList([TemperatureLogitsWarper(0.7), TopPLogitsWarper(0.8)])),
+], ids=["t1.0", "t0.7-top_p0.8"])
+def test_sampling_matches_target_distribution(small_target, sampling, processors):
+    drafter = oracle_drafter(small_target, scale=3.0)
+    num_samples, counts = 2500, {}
+    for index in range(num_samples):
+        out = static_generate(small_target, drafter, PROMPT, NEW_TOKENS, do_sample=True, seed=index, **sampling)
+        cell = tuple(out[0, PROMPT.shape[1]:].tolist())
+        counts[cell] = counts.get(cell, 0) + 1
+    assert chi_square_p_value(counts, exact_distribution(small_target, processors), num_samples) > ALPHA
