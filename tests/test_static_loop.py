@@ -36,8 +36,13 @@ def plain(target, prompt, max_new_tokens, **kwargs):
 def test_greedy_equals_plain_generate(target, prompt, max_new_tokens):
     ids = torch.tensor([prompt])
     expected = plain(target, ids, max_new_tokens)
-    for name, drafter in drafters(target).items():
+    candidates = drafters(target)
+    for name, drafter in candidates.items():
         assert torch.equal(static_generate(target, drafter, ids, max_new_tokens), expected), name
+        stats = drafter.generation_stats
+        assert 1 + sum(stats.committed) >= max_new_tokens and set(stats.drafted) <= {drafter.config.num_draft_slots}
+        assert all(c == a + 1 for a, c in zip(stats.accepted, stats.committed))
+    assert candidates["good"].generation_stats.tau > 1 or max_new_tokens == 1
 
 
 def test_eos_inside_a_round_ends_where_plain_decoding_does(target):

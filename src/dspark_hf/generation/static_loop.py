@@ -18,6 +18,8 @@ after the final norm). Whether the compiled path is faster on a GPU has not been
 
 from __future__ import annotations
 
+import time
+
 import torch
 from transformers import PreTrainedModel, StaticCache
 from transformers.cache_utils import DynamicCache
@@ -25,6 +27,7 @@ from transformers.cache_utils import DynamicCache
 from ..models import DSparkDraftModel
 from ..verify import verify
 from ..verify.reference import processed_scores
+from .candidate_generator import DSparkStats
 from .target_features import check_drafter_fits_target
 
 
@@ -81,7 +84,8 @@ def static_generate(
 
     `eos_token_id` defaults to the target's generation config. `compile`: True for `torch.compile(mode=
     "reduce-overhead", dynamic=False)` of the verify forward, or a dict of `torch.compile` options. `seed` seeds the
-    draft sampling and verification noise."""
+    draft sampling and verification noise. Round statistics go to `drafter.generation_stats` (as in `generate()`;
+    the seconds are wall-clock, the device is not synchronised for them)."""
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"static_generate() decodes one prompt [1, L]; got shape {tuple(input_ids.shape)}.")
     if max_new_tokens < 1:
@@ -113,10 +117,12 @@ def static_generate(
     logits, features = verifier.prefill(input_ids.to(device))
     first = choose(None, logits[:, -1])[0]
     out = [int(first)]
+    stats = drafter.generation_stats = DSparkStats()
     drafter_cache, context = DynamicCache(), 0
     committed = torch.tensor(length, device=device)  # target positions with committed K/V (the anchor is next)
     position = length
     while len(out) < max_new_tokens and out[-1] not in eos_ids:  # (eos inside a round ends the loop below)
+        started = time.perf_counter()
         anchor = torch.tensor([out[-1]], device=device)
         proposal = drafter.draft(anchor, features.to(drafter.device), drafter_cache,
                                  position_ids=torch.arange(position, position + block, device=drafter.device)[None],
@@ -124,6 +130,7 @@ def static_generate(
                                  select=choose)
         context = position
         drafts = proposal.tokens.to(device)
+        drafted = time.perf_counter()
         logits, step_features = verifier.forward(torch.cat([anchor[:, None], drafts], dim=1), committed)
         probs = proposal.logits[0].softmax(dim=-1) if do_sample else None
         seeds = torch.randint(-(2**62), 2**62, (1,), generator=generator, device=device)
@@ -138,6 +145,11 @@ def static_generate(
         features = step_features[:, : host[0] + 1].clone()  # a CUDA graph reuses its output buffers next replay
         position += len(emitted)
         out += emitted
+        stats.draft_seconds.append(drafted - started)
+        stats.verify_seconds.append(time.perf_counter() - drafted)
+        stats.drafted.append(gamma)
+        stats.accepted.append(host[0])
+        stats.committed.append(len(emitted))
         if eos_ids.intersection(emitted):
             break
     out = out[:max_new_tokens]
