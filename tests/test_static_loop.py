@@ -59,11 +59,21 @@ def test_eos_inside_a_round_ends_where_plain_decoding_does(target):
         assert torch.equal(static_generate(target, drafter, ids, 30, eos_token_id=stop), expected), name
 
 
-def test_compiled_verify_forward_gives_the_same_tokens(target):
+def test_compiled_verify_forward_is_one_graph_with_the_same_tokens(target):
+    """fullgraph=True: no graph break; one backend call over the whole generation: one shape, no recompilation (what
+    CUDA-graph capture needs)."""
     good = drafters(target)["good"]
+    compilations = []
+
+    def backend(graph, example_inputs):
+        compilations.append(graph)
+        return graph.forward
+
+    torch._dynamo.reset()
     ids = torch.tensor([[5, 9, 11]])
-    compiled = static_generate(target, good, ids, 20, compile=dict(backend="eager", dynamic=False))
+    compiled = static_generate(target, good, ids, 20, compile=dict(backend=backend, fullgraph=True, dynamic=False))
     assert torch.equal(compiled, plain(target, ids, 20))
+    assert len(compilations) == 1 and good.generation_stats.rounds > 2
 
 
 def test_refusals(target):
