@@ -60,8 +60,8 @@ def test_eos_inside_a_round_ends_where_plain_decoding_does(target):
 
 
 def test_compiled_verify_forward_is_one_graph_with_the_same_tokens(target):
-    """fullgraph=True: no graph break; one backend call over the whole generation: one shape, no recompilation (what
-    CUDA-graph capture needs)."""
+    """fullgraph=True: no graph break; one backend call over two whole generations: one shape, no recompilation
+    (what CUDA-graph capture needs)."""
     good = drafters(target)["good"]
     compilations = []
 
@@ -70,10 +70,12 @@ def test_compiled_verify_forward_is_one_graph_with_the_same_tokens(target):
         return graph.forward
 
     torch._dynamo.reset()
-    ids = torch.tensor([[5, 9, 11]])
-    compiled = static_generate(target, good, ids, 20, compile=dict(backend=backend, fullgraph=True, dynamic=False))
-    assert torch.equal(compiled, plain(target, ids, 20))
-    assert len(compilations) == 1 and good.generation_stats.rounds > 2
+    options = dict(backend=backend, fullgraph=True, dynamic=False)
+    for ids in (torch.tensor([[5, 9, 11]]), torch.tensor([[30, 7]])):  # the second call reuses the cache and graph
+        compiled = static_generate(target, good, ids, 20, compile=options)
+        assert torch.equal(compiled, plain(target, ids, 20))
+        assert good.generation_stats.rounds > 2
+    assert len(compilations) == 1
 
 
 def test_refusals(target):

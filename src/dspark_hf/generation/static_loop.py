@@ -19,6 +19,7 @@ after the final norm). Whether the compiled path is faster on a GPU has not been
 from __future__ import annotations
 
 import time
+import weakref
 
 import torch
 from transformers import PreTrainedModel, StaticCache
@@ -33,14 +34,28 @@ from .target_features import check_drafter_fits_target
 
 class StaticVerifier:
     """The target on a `StaticCache`: `prefill(prompt)` and `forward(ids, start)` (the verify shape), each returning
-    float32 logits and the drafter's features (the tapped hidden states, concatenated); `rollback(length)`."""
+    float32 logits and the drafter's features (the tapped hidden states, concatenated); `rollback(length)`.
+
+    `StaticVerifier.for_target(...)` keeps the last one built for a target and reuses it while it fits, so repeated
+    calls neither reallocate the cache nor recompile (dynamo recompiles a new instance, and gives up after a few)."""
+
+    _kept: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    @classmethod
+    def for_target(cls, target: PreTrainedModel, layer_ids: list[int], max_length: int, compile: bool | dict):
+        kept = cls._kept.get(target)
+        if kept is None or kept.key != (tuple(layer_ids), repr(compile)) or kept.max_length < max_length:
+            kept = cls._kept[target] = cls(target, layer_ids, max_length, compile)
+        kept.rollback(torch.zeros((), dtype=torch.long, device=target.device))
+        return kept
 
     def __init__(self, target: PreTrainedModel, layer_ids: list[int], max_length: int, compile: bool | dict = False):
         last = target.config.get_text_config().num_hidden_layers - 1
         if last in layer_ids:
             raise ValueError(f"static_generate() reads features through output_hidden_states, whose last entry is "
                              f"normalised; this drafter taps the target's last layer ({last}). Use generate().")
-        self.target, self.layer_ids = target, list(layer_ids)
+        self.target, self.layer_ids, self.max_length = target, list(layer_ids), max_length
+        self.key = (tuple(layer_ids), repr(compile))
         self.cache = StaticCache(config=target.config, max_cache_len=max_length)
         self.verify_forward = self._forward
         if compile:
@@ -62,7 +77,8 @@ class StaticVerifier:
     def rollback(self, length: torch.Tensor) -> None:
         """Sets every layer's write position to `length` (a 0-d device tensor: no host sync)."""
         for layer in self.cache.layers:
-            layer.cumulative_length.copy_(length)
+            if layer.is_initialized:  # (the first forward allocates the layer)
+                layer.cumulative_length.copy_(length)
 
 
 @torch.no_grad()
@@ -113,7 +129,8 @@ def static_generate(
         processed = processed_scores(logits, temperatures, top_ks, top_ps)
         return torch.multinomial(processed.softmax(dim=-1), 1, generator=generator).squeeze(1), processed
 
-    verifier = StaticVerifier(target, drafter.config.target_layer_ids, length + max_new_tokens + block + 1, compile)
+    verifier = StaticVerifier.for_target(target, drafter.config.target_layer_ids, length + max_new_tokens + block + 1,
+                                         compile)
     logits, features = verifier.prefill(input_ids.to(device))
     first = choose(None, logits[:, -1])[0]
     out = [int(first)]
