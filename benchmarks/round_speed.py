@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import QWEN3_4B, REPO, RESULTS, environment, humaneval_prompts, load_target  # noqa: E402
+from common import QWEN3_4B, REPO, RESULTS, environment, humaneval_prompts, load_target, synchronize  # noqa: E402
 
 import dspark_hf  # noqa: E402
 from dspark_hf.generation import static_generate  # noqa: E402
@@ -73,11 +73,6 @@ def models(name: str, dtype: torch.dtype, device: str):
     prompt = torch.randint(4, config.vocab_size - 1, (1, 16 if name == "smoke" else 128),
                            generator=torch.Generator().manual_seed(0))
     return target, drafter, prompt.to(device)
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def copy_bandwidth(device: torch.device) -> float | None:

@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, RESULTS, environment, humaneval_prompts, load_target  # noqa: E402
+from common import REPO, RESULTS, environment, humaneval_prompts, load_target, synchronize  # noqa: E402
 
 import dspark_hf  # noqa: E402
 from dspark_hf.scheduling import SPSTable  # noqa: E402
@@ -200,11 +200,6 @@ class AcceptanceTrace:
 
 
 # ---------------------------------------------------------------------------------------------------- measuring
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def make_engine(target, drafter, concurrency: int, setting: dict, sps_table, **options) -> DSparkEngine:
     kwargs = dict(setting, **options)
     if kwargs.get("policy") == "hardware_aware":
@@ -217,10 +212,10 @@ def drive(engine: DSparkEngine, prompts, concurrency: int, args) -> tuple[list, 
     count = max(concurrency, args.min_requests)
     handles = [engine.add_request(prompts[i % len(prompts)], max_tokens=args.max_new_tokens, temperature=0.0,
                                   ignore_eos=True) for i in range(count)]
-    _sync(engine.target.device)
+    synchronize(engine.target.device)
     start = time.perf_counter()
     engine.run()
-    _sync(engine.target.device)
+    synchronize(engine.target.device)
     return handles, time.perf_counter() - start
 
 
@@ -279,10 +274,10 @@ def run_paged(target, prompts, concurrency: int, args) -> dict:
             return tokens
 
         complete(manager.add_requests(inputs[:concurrency], max_new_tokens=4))  # warm-up
-        _sync(target.device)
+        synchronize(target.device)
         start = time.perf_counter()
         tokens = complete(manager.add_requests(inputs, max_new_tokens=args.max_new_tokens))
-        _sync(target.device)
+        synchronize(target.device)
         seconds = time.perf_counter() - start
     finally:
         manager.stop(block=True, timeout=30)
