@@ -138,7 +138,7 @@ def static_generate(
     drafter_cache, context = DynamicCache(), 0
     committed = torch.tensor(length, device=device)  # target positions with committed K/V (the anchor is next)
     position = length
-    while len(out) < max_new_tokens and out[-1] not in eos_ids:  # (eos inside a round ends the loop below)
+    while len(out) < max_new_tokens and out[-1] not in eos_ids:
         started = time.perf_counter()
         anchor = torch.tensor([out[-1]], device=device)
         proposal = drafter.draft(anchor, features.to(drafter.device), drafter_cache,
@@ -161,17 +161,14 @@ def static_generate(
         emitted = host[1: host[0] + 2]
         features = step_features[:, : host[0] + 1].clone()  # a CUDA graph reuses its output buffers next replay
         position += len(emitted)
-        out += emitted
         stats.draft_seconds.append(drafted - started)
         stats.verify_seconds.append(time.perf_counter() - drafted)
         stats.drafted.append(gamma)
         stats.accepted.append(host[0])
         stats.committed.append(len(emitted))
-        if eos_ids.intersection(emitted):
+        stop = next((i for i, token in enumerate(emitted) if token in eos_ids), None)
+        out += emitted if stop is None else emitted[: stop + 1]  # an accepted eos ends generation there
+        if stop is not None:
             break
     out = out[:max_new_tokens]
-    for index, token in enumerate(out):
-        if token in eos_ids:
-            out = out[: index + 1]
-            break
     return torch.cat([input_ids, torch.tensor([out], dtype=input_ids.dtype, device=input_ids.device)], dim=1)
