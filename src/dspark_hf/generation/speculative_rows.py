@@ -27,7 +27,6 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache
 
-from ..attention_backends import decoding_attention
 from ..calibration import apply_sts
 from ..models import DSparkDraftModel, TargetLayerTap
 from ..scheduling import SchedulerPolicy, SpeculationGuard
@@ -148,7 +147,6 @@ class SpeculativeRows:
 
     # ------------------------------------------------------------------ admission
     @torch.no_grad()
-    @decoding_attention()
     def add(self, rows: list[Row]) -> list[list[int]]:
         """Prefills `rows` (one left-padded forward), picks each one's first token and joins them to the batch.
         Returns the tokens committed per new row (one each)."""
@@ -251,7 +249,6 @@ class SpeculativeRows:
         return torch.minimum(lengths.cpu().long(), available)
 
     @torch.no_grad()
-    @decoding_attention()
     def step(self) -> list[list[int]]:
         """One round for every row; returns the tokens each row committed (accepted drafts + one more)."""
         state, rows = self.state, self.rows

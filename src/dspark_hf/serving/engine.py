@@ -27,6 +27,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.generation.stopping_criteria import StopStringCriteria
 
+from ..attention_backends import decoding_attention
 from ..generation.policy import resolve_policy
 from ..generation.profiling import RoundProfiler
 from ..generation.speculative_rows import Row, SpeculativeRows, check_batchable_target, ragged_drafts, ragged_rows
@@ -264,7 +265,7 @@ class DSparkEngine:
         self.runner.remove(cancelled)
         if not admitted and not self.runner.rows:
             return bool(cancelled)
-        with self.runner.profiler.round() if self.runner.profiler is not None else nullcontext():
+        with decoding_attention(), self.runner.profiler.round() if self.runner.profiler is not None else nullcontext():
             self._round(admitted)
         return True
 
