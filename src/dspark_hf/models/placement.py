@@ -198,7 +198,7 @@ def place_next_to_target(drafter: nn.Module, target: nn.Module) -> torch.device:
     the drafter's device."""
     if target.device.type == "meta":
         raise ValueError(
-            f"The target's first weights (its input embedding) are offloaded, so target.device is 'meta': "
+            "The target's first weights (its input embedding) are offloaded, so target.device is 'meta': "
             "transformers' assisted decoding moves the tokens to target.device. Keep the input embedding on a device "
             "(e.g. device_map={'model.embed_tokens': 0, ...}); offloading later layers and the LM head is fine."
         )
