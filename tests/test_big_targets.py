@@ -271,7 +271,8 @@ def test_quantized_drafter_is_lossless(tmp_path, bits):
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed unavailable")
 def test_tensor_parallel_target_is_lossless(tmp_path):
     """`tp_plan="auto"` under torchrun (2 gloo ranks on CPU): the LM head is a sharded DTensor, called as a module by
-    the drafter (its hooks gather the full logits on every rank); greedy output equals plain generate() on each rank."""
+    the drafter (its hooks gather the full logits on every rank); greedy output of generate() (batch 1 and 2) and of the
+    engine equals plain generate() on each rank."""
     import json
     import os
     import subprocess
@@ -294,6 +295,7 @@ def test_tensor_parallel_target_is_lossless(tmp_path):
     for plain, ours in result["single"]:
         assert ours == plain
     width = max(map(len, PROMPTS))
-    for row, prompt, (plain, _) in zip(result["batched"], PROMPTS, result["single"]):
+    for row, engine, prompt, (plain, _) in zip(result["batched"], result["engine"], PROMPTS, result["single"]):
         solo = plain[0][len(prompt):]
         assert row[width:][: len(solo)] == solo
+        assert engine == solo

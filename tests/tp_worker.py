@@ -3,7 +3,7 @@
     torchrun --standalone --nproc_per_node 2 tests/tp_worker.py TARGET_DIR DRAFTER_DIR OUT_DIR
 
 Loads the target with `tp_plan="auto"` (gloo on CPU) and writes, per rank, plain and DSpark greedy outputs (batch 1
-and a left-padded batch 2) to OUT_DIR/rank{r}.json.
+and a left-padded batch 2) and the engine's outputs for the same prompts to OUT_DIR/rank{r}.json.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 
 import dspark_hf
 from dspark_hf.models import placement
+from dspark_hf.serving import DSparkEngine
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 30, 12]]
 
@@ -39,6 +40,10 @@ def main(target_dir: str, drafter_dir: str, out_dir: str) -> None:
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in PROMPTS])
     result["batched"] = target.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False,
                                         assistant_model=drafter, pad_token_id=0).tolist()
+    engine = DSparkEngine(target, drafter, default_sampling={"temperature": 0})
+    handles = [engine.add_request(prompt, max_tokens=16) for prompt in PROMPTS]
+    engine.run()
+    result["engine"] = [handle.output().token_ids for handle in handles]
     result["head_view"] = isinstance(drafter.lm_head, placement.TargetHeadView)
     result["head_sharded"] = placement.is_distributed(target.lm_head)
     Path(out_dir, f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
