@@ -20,9 +20,12 @@ Models:
 
 Protocol (closed loop): for each concurrency c and policy, max(c, --min-requests) requests with `max_tokens`
 (`ignore_eos`: every request generates exactly that many) are queued at once into an engine with `max_batch_size=c`.
-A short warm-up run (8 tokens, same concurrency and policy) precedes each timed run. All policies run at one
-concurrency before the next concurrency starts, so that a drift over the run affects every policy alike. tokens/s =
-generated tokens / wall-clock seconds. The SPS table of the hardware-aware policy is profiled in the same run.
+A short warm-up run (8 tokens, same concurrency and policy) precedes the timed runs. All policies run at one
+concurrency before the next concurrency starts, `--repeats` times in turn, so that a drift over the run affects every
+policy alike; a cell reports the run with the median tokens/s (all runs' tokens/s are kept). tokens/s = generated
+tokens / wall-clock seconds. Each timed run is a fresh engine, but the hardware-aware policy's speculation guard
+lives for the whole benchmark, as in a long-running server: what it measured at the warm-up and earlier runs carries
+over (per batch-size bucket). The SPS table of the hardware-aware policy is profiled in the same run.
 `hf_paged` is transformers' own continuous batching (paged attention, no speculation, CUDA graphs off like ours) on
 the same requests: the padded-vs-paged comparison of docs/serving.md. The summary ratios are minima over every model and
 concurrency: `scheduler_vs_best_static_min_ratio` (hardware-aware / best of fixed γ ∈ {1,3,7} and static
@@ -48,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, RESULTS, environment, humaneval_prompts, load_target, synchronize  # noqa: E402
 
 import dspark_hf  # noqa: E402
-from dspark_hf.scheduling import SPSTable  # noqa: E402
+from dspark_hf.scheduling import SpeculationGuard, SPSTable  # noqa: E402
 from dspark_hf.serving import DSparkEngine  # noqa: E402
 from dspark_hf.verify import VerifyResult  # noqa: E402
 
@@ -56,6 +59,7 @@ CONCURRENCY = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 STATIC = ("fixed_1", "fixed_3", "fixed_7", "static_threshold")
 QWEN3_MASK_TOKEN_ID = 151669
 TRACE = RESULTS / "serving_trace_code50m.json"
+GUARD = SpeculationGuard()  # the hardware-aware engines' guard: one for the whole run, like a long-running server
 
 
 def policies(threshold: float, gamma_max: int) -> dict[str, dict]:
@@ -204,6 +208,7 @@ def make_engine(target, drafter, concurrency: int, setting: dict, sps_table, **o
     kwargs = dict(setting, **options)
     if kwargs.get("policy") == "hardware_aware":
         kwargs["sps_table"] = sps_table
+        kwargs.setdefault("speculation_guard", GUARD)
     return DSparkEngine(target, drafter if kwargs.get("policy") != "none" else None, max_batch_size=concurrency,
                         seed=0, **kwargs)
 
@@ -300,6 +305,16 @@ def round_breakdown(target, drafter, prompts, concurrency: int, setting: dict, a
 
 
 # ---------------------------------------------------------------------------------------------------- report
+def merge_cells(earlier: dict[str, list[dict]], new: dict[str, list[dict]]) -> dict[str, list[dict]]:
+    """Per policy, cells by concurrency: a new cell replaces an earlier one at the same concurrency (runs split over
+    several calls by `--policies` or `--concurrency` accumulate)."""
+    merged = {}
+    for name in {**earlier, **new}:
+        cells = {c["concurrency"]: c for c in earlier.get(name, [])} | {c["concurrency"]: c for c in new.get(name, [])}
+        merged[name] = [cells[c] for c in sorted(cells)]
+    return merged
+
+
 def summarize(models: dict[str, dict]) -> dict:
     vs_static, vs_nospec, per_model = [], [], {}
     for name, entry in models.items():
@@ -361,6 +376,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY))
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--min-requests", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per cell, interleaved over the policies")
     parser.add_argument("--threshold", type=float, default=0.5, help="static-threshold policy's confidence threshold")
     parser.add_argument("--policies", nargs="*", help="subset of: no_spec fixed_1 fixed_3 fixed_7 static_threshold "
                         "hardware_aware (default: all)")
@@ -403,7 +419,7 @@ def main() -> None:
                           prompts="random ids" if args.model == "smoke" else "HumanEval (code50m tokenizer)",
                           acceptance="replayed from serving_trace_code50m.json (timing only)" if trace is not None
                           else "real", sps_table=sps_table.to_dict()),
-            results={**earlier.get("results", {}), **results},
+            results=merge_cells(earlier.get("results", {}), results),
             hf_paged=[p for p in paged if "error" not in p] or earlier.get("hf_paged", []),
             hf_paged_error=next((p["error"] for p in paged if "error" in p), earlier.get("hf_paged_error")),
             round_breakdown=breakdown or earlier.get("round_breakdown", []),
@@ -420,13 +436,21 @@ def main() -> None:
     with torch.inference_mode():
         # concurrency outside, policies inside: the policies compared at one concurrency run minutes apart at most
         for concurrency in args.concurrency:
-            for name, setting in chosen.items():
-                # warm-up at this shape: Triton specialises the verify kernels on the batch's chunking
+            for name, setting in chosen.items():  # warm-up at this shape (kernel selection, Triton specialisation)
                 run_cell(target, drafter, prompts, concurrency, setting, warm_up, sps_table, trace)
-                record = recorded if (name == "fixed_7" and gamma_max == 7 and trace is None) else None
-                cell = run_cell(target, drafter, prompts, concurrency, setting, args, sps_table, trace, record)
+            runs: dict[str, list[dict]] = {name: [] for name in chosen}
+            for repeat in range(args.repeats):
+                for name, setting in chosen.items():
+                    record = recorded if (name == "fixed_7" and gamma_max == 7 and trace is None and repeat == 0) \
+                        else None
+                    runs[name].append(run_cell(target, drafter, prompts, concurrency, setting, args, sps_table, trace,
+                                               record))
+            for name, cells in runs.items():
+                cell = sorted(cells, key=lambda c: c["tokens_per_second"])[len(cells) // 2]
+                cell = dict(cell, tokens_per_second_runs=[c["tokens_per_second"] for c in cells])
                 results.setdefault(name, []).append(cell)
-                print(f"{args.model} {name:>16} c={concurrency:<4} {cell['tokens_per_second']:9.1f} tok/s  "
+                print(f"{args.model} {name:>16} c={concurrency:<4} {cell['tokens_per_second']:9.1f} tok/s "
+                      f"(runs {' '.join(f'{t:.0f}' for t in cell['tokens_per_second_runs'])})  "
                       f"tau={cell['tau']:.2f}  round={cell['round_ms']:.1f} ms "
                       f"(median {cell['round_ms_median']:.1f}, max {cell['round_ms_max']:.0f})  "
                       f"holes={cell['mean_hole_fraction']:.2f}  plain rounds={cell['plain_round_fraction']:.2f}",

@@ -16,13 +16,31 @@ def drive(guard: SpeculationGuard, rounds: int, batch: int, spec_cost: float, pl
 
 
 def test_measures_both_kinds_then_keeps_the_faster_and_probes_the_other():
-    guard = SpeculationGuard(probe_every=8)
+    guard = SpeculationGuard(probe_every=8, max_probe_every=8)
     kinds = drive(guard, 40, batch=4, spec_cost=0.5, plain_cost=1.0)
     assert kinds[:2] == [True, False]  # one measurement of each kind first
     assert kinds[2:].count(False) == len(kinds[2:]) // 8  # only the periodic probes are plain
-    guard = SpeculationGuard(probe_every=8)
+    guard = SpeculationGuard(probe_every=8, max_probe_every=8)
     kinds = drive(guard, 40, batch=4, spec_cost=2.0, plain_cost=1.0)
     assert kinds[2:].count(True) == len(kinds[2:]) // 8  # drafting does not pay: plain rounds but for probes
+
+
+def test_probes_back_off_while_they_confirm_the_winner():
+    guard = SpeculationGuard(probe_every=4, max_probe_every=32)
+    kinds = drive(guard, 2 + 4 + 8 + 16 + 32 + 32, batch=8, spec_cost=2.0, plain_cost=1.0)
+    probes = [i - 2 for i, drafted in enumerate(kinds) if drafted and i >= 2]
+    assert probes == [3, 11, 27, 59, 91]  # intervals 4, 8, 16, 32, then capped at 32
+
+
+def test_a_probe_faster_than_the_winner_brings_the_next_probe_forward():
+    guard = SpeculationGuard(probe_every=4, window=3, max_probe_every=64)
+    drive(guard, 2 + 4 + 8 + 16 + 32, batch=8, spec_cost=2.0, plain_cost=1.0)  # interval has grown to 64
+    kinds = drive(guard, 100, batch=8, spec_cost=0.5, plain_cost=1.0)  # drafting became cheap (e.g. load fell)
+    first_probe = kinds.index(True)
+    assert first_probe <= 64
+    # confirmed after one short interval (not after further 64-round waits); then only doubling plain probes remain
+    assert kinds[first_probe + 1:first_probe + 8].count(True) >= 4
+    assert kinds[first_probe + 8:].count(False) <= 3
 
 
 def test_follows_a_change_in_cost_and_keeps_buckets_apart():
@@ -48,3 +66,5 @@ def test_rounds_without_tokens_are_ignored_and_arguments_checked():
     assert guard.summary() == {}
     with pytest.raises(ValueError):
         SpeculationGuard(probe_every=1)
+    with pytest.raises(ValueError):
+        SpeculationGuard(probe_every=16, max_probe_every=8)
