@@ -82,7 +82,7 @@ def main() -> None:
         target, drafter, prompts = random_models(options.device)
     else:
         target, drafter, prompts = serving.load_models("code50m", torch.bfloat16, options.device)
-    args = argparse.Namespace(max_new_tokens=options.max_new_tokens, min_requests=4)
+    args = argparse.Namespace(max_new_tokens=options.max_new_tokens, requests_per_slot=2)
     with torch.inference_mode():  # as serving.py (the SPS profile too)
         sps = SPSTable.profile(target, batch_tokens=(1, 8, 64, 512), context_length=256, repeats=3, progress=False)
         if options.compare_plain:

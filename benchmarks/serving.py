@@ -18,11 +18,14 @@ Models:
   recorded trace entry: the policy sees the recorded confidences and the round accepts min(l_r, recorded count).
   The target and drafter forwards and the verification run for real at their true shapes: **timing only**.
 
-Protocol (closed loop): for each concurrency c and policy, max(c, --min-requests) requests with `max_tokens`
-(`ignore_eos`: every request generates exactly that many) are queued at once into an engine with `max_batch_size=c`.
+Protocol (closed loop, c clients): for each concurrency c and policy, `--requests-per-slot` × c requests with
+`max_tokens` (`ignore_eos`: every request generates exactly that many) are queued at once into an engine with
+`max_batch_size=c`, so a finished request's slot is refilled from the queue, as in a server under a steady load of c
+requests, until the queue runs dry. (With only c requests, speculation would be measured mostly on its tail: rows
+finish at different rounds and the last rounds run a nearly empty batch, while plain rows all finish together.)
 A short warm-up run (8 tokens, same concurrency and policy) precedes the timed runs. All policies run at one
 concurrency before the next concurrency starts, `--repeats` times in turn, so that a drift over the run affects every
-policy alike; a cell reports the run with the median tokens/s (all runs' tokens/s are kept). tokens/s = generated
+policy alike; a cell reports the run with the median tokens/s (the upper one for an even count; all runs' tokens/s are kept). tokens/s = generated
 tokens / wall-clock seconds. Each timed run is a fresh engine, but the hardware-aware policy's speculation guard
 lives for the whole benchmark, as in a long-running server: what it measured at the warm-up and earlier runs carries
 over (per batch-size bucket). The SPS table of the hardware-aware policy is profiled in the same run.
@@ -214,7 +217,7 @@ def make_engine(target, drafter, concurrency: int, setting: dict, sps_table, **o
 
 
 def drive(engine: DSparkEngine, prompts, concurrency: int, args) -> tuple[list, float]:
-    count = max(concurrency, args.min_requests)
+    count = concurrency * args.requests_per_slot
     handles = [engine.add_request(prompts[i % len(prompts)], max_tokens=args.max_new_tokens, temperature=0.0,
                                   ignore_eos=True) for i in range(count)]
     synchronize(engine.target.device)
@@ -258,7 +261,7 @@ def run_paged(target, prompts, concurrency: int, args) -> dict:
     started and warmed up before the clock starts (as our engine's warm-up run)."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
-    count = max(concurrency, args.min_requests)
+    count = concurrency * args.requests_per_slot
     inputs = [prompts[i % len(prompts)] for i in range(count)]
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
     batching = ContinuousBatchingConfig(max_requests_per_batch=concurrency, use_cuda_graph=False)
@@ -375,7 +378,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY))
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--min-requests", type=int, default=4)
+    parser.add_argument("--requests-per-slot", type=int, default=4, help="requests queued per unit of concurrency")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per cell, interleaved over the policies")
     parser.add_argument("--threshold", type=float, default=0.5, help="static-threshold policy's confidence threshold")
     parser.add_argument("--policies", nargs="*", help="subset of: no_spec fixed_1 fixed_3 fixed_7 static_threshold "
@@ -389,7 +392,7 @@ def main() -> None:
     if args.model == "smoke":
         args.concurrency = [c for c in args.concurrency if c <= 4] or [1]
         args.breakdown_at = [c for c in args.breakdown_at if c <= 4] or [2]
-        args.max_new_tokens, args.min_requests = min(args.max_new_tokens, 8), 2
+        args.max_new_tokens, args.requests_per_slot = min(args.max_new_tokens, 8), 2
         target, drafter, prompts = tiny_models()
         out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="serving-smoke-")) / "serving_smoke.json"
         table = dict(batch_tokens=(1, 4, 16, 64), context_length=16, repeats=2)
@@ -415,7 +418,7 @@ def main() -> None:
             environment=environment(), replayed=trace is not None,
             settings=dict(dtype="float32" if args.model == "smoke" else args.dtype, max_new_tokens=args.max_new_tokens,
                           temperature=0.0, ignore_eos=True, threshold=args.threshold, concurrency=args.concurrency,
-                          min_requests=args.min_requests,
+                          requests_per_slot=args.requests_per_slot, repeats=args.repeats,
                           prompts="random ids" if args.model == "smoke" else "HumanEval (code50m tokenizer)",
                           acceptance="replayed from serving_trace_code50m.json (timing only)" if trace is not None
                           else "real", sps_table=sps_table.to_dict()),

@@ -11,7 +11,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 serving = pytest.importorskip("serving")
 
-ARGS = argparse.Namespace(max_new_tokens=16, min_requests=2)
+ARGS = argparse.Namespace(max_new_tokens=16, requests_per_slot=2)
 FIXED = dict(policy="fixed", gamma=7)
 
 
