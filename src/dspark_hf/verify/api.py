@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -46,7 +46,6 @@ class _Prepared:
 
     draft_ids: torch.Tensor  # [T] int64
     num_drafts: torch.Tensor  # [R] int64
-    cu_drafts: torch.Tensor  # [R] int64, exclusive prefix sum of num_drafts
     target_logits: torch.Tensor  # [T + R, V] (any float dtype, unit stride on V)
     draft_probs: torch.Tensor | None  # [T, V] or None (one-hot drafts)
     do_sample: torch.Tensor  # [R] bool
@@ -59,6 +58,15 @@ class _Prepared:
     exponentials: torch.Tensor | None  # [R, V] float32
     max_draft_len: int
     any_sample: bool  # False only when do_sample is known (host side) to be all False
+    _cu_drafts: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def cu_drafts(self) -> torch.Tensor:
+        """``[R]`` int64 exclusive prefix sum of ``num_drafts``, computed on first use (the torch
+        backend; the Triton kernels compute each request's offset themselves: no cumsum launch)."""
+        if self._cu_drafts is None:
+            self._cu_drafts = torch.cumsum(self.num_drafts, 0) - self.num_drafts
+        return self._cu_drafts
 
 
 def triton_available(device: torch.device | None = None) -> bool:
@@ -168,8 +176,7 @@ def verify(
 
     if max_draft_len is None:
         max_draft_len = int(num_drafts.max()) if R > 0 else 0
-    num_drafts = num_drafts.to(device=device, dtype=torch.int64)
-    cu = torch.cumsum(num_drafts, 0) - num_drafts
+    num_drafts = num_drafts.to(device=device, dtype=torch.int64).contiguous()
 
     if seeds is None:
         gdev = generator.device if generator is not None else device
@@ -183,7 +190,6 @@ def verify(
     prep = _Prepared(
         draft_ids=draft_ids.to(device=device, dtype=torch.int64),
         num_drafts=num_drafts,
-        cu_drafts=cu,
         target_logits=target_logits,
         draft_probs=draft_probs,
         do_sample=_per_request(do_sample, R, torch.bool, device, "do_sample"),

@@ -1,27 +1,84 @@
 """Triton backend of :func:`dspark_hf.verify.verify`.
 
-Launches (all asynchronous, no host synchronisation):
+Launches (all asynchronous, no host synchronisation, no torch kernels in between):
 
 1. ``_filter_kernel`` (only when top_k / top_p is given), one program per target row: an
    exact 16-way radix search over order-preserving float32 keys finds the top-k value and
    then the top-p threshold (8 passes each; rows without an active filter exit at once).
-2. ``_stats_kernel``, grid (rows, vocab chunks): online softmax statistics of the processed
-   logits per chunk (per-lane running max / sum-exp / first argmax, one exp per element).
-3. ``_accept_kernel``, one program per request: merges the chunk statistics, walks the drafts
-   (acceptance test with counter-based uniforms), writes accepted drafts + padding, and the
-   greedy emitted token.
+2. ``_stats_kernel``, grid (requests, l + 1, vocab chunks): online softmax statistics of the
+   processed logits per chunk (per-lane running max / sum-exp / first argmax, one exp per
+   element; unmasked full tiles, one masked tail tile).
+3. ``_accept_kernel``, one program per request: merges the chunk statistics of all l_r + 1
+   rows at once (an ``[L_P2, NCHUNK_P2]`` block), evaluates every acceptance test in parallel
+   (counter-based uniforms) and takes the first rejection with a min-reduction; writes accepted
+   drafts + padding, the greedy emitted token, and the emit row / draft row for the race.
 4. ``_race_kernel``, grid (requests, vocab chunks): at the emit row only, the exponential race
    ``argmax max(p - q, 0) / E`` and ``argmax p / E`` with E drawn in-kernel (never stored).
 5. ``_finalize_kernel``, one program per request: merges the race partials, writes the token.
+
+Every kernel computes its request's flat offset ``sum(num_drafts[:r])`` itself (a masked sum
+over ``num_drafts``, ``OFF_BLOCK`` entries at a time), so no cumsum runs on the Triton path.
+
+Launch shape of the two streaming kernels (2 and 4): :class:`LaunchConfig` (BLOCK, num_warps,
+programs aimed for per SM, software-pipelining stages of the tile loop); the module default
+is replaced with :func:`set_launch_config` or per call with ``verify_triton(p, config=...)``.
+Runtime integers that change with the batch (chunk and tile counts, output width, strides of
+per-request parameters) are not specialised, and the constexpr widths are powers of two, so a
+new batch size or draft length compiles nothing new unless a power-of-two bucket changes.
 """
 
 from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from . import rng
+
+OFF_BLOCK = 128  # num_drafts entries summed per step when a kernel computes a request's offset
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Launch shape of ``_stats_kernel`` (every target row) and ``_race_kernel`` (emit rows).
+
+    ``*_block``: vocab entries per tile (power of two; capped at next_power_of_2(V)).
+    ``*_warps``: num_warps. ``*_programs_per_sm``: the vocab is split into chunks so that about
+    this many programs per SM are launched (at least one tile per chunk).
+    ``*_stages``: ``tl.range(num_stages=...)`` software pipelining of the tile loads; 1 = a
+    plain loop. Results do not depend on the configuration beyond float32 rounding of the
+    softmax denominators (the chunking changes the summation order)."""
+
+    stats_block: int = 2048
+    stats_warps: int = 4
+    stats_programs_per_sm: int = 4
+    stats_stages: int = 1
+    race_block: int = 1024
+    race_warps: int = 8
+    race_programs_per_sm: int = 16
+    race_stages: int = 1
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+_CONFIG = LaunchConfig()
+
+
+def get_launch_config() -> LaunchConfig:
+    """The configuration used when ``verify_triton`` gets no ``config``."""
+    return _CONFIG
+
+
+def set_launch_config(config: LaunchConfig | None) -> LaunchConfig:
+    """Replace the module default (``None`` restores ``LaunchConfig()``); returns the previous one."""
+    global _CONFIG
+    prev = _CONFIG
+    _CONFIG = config if config is not None else LaunchConfig()
+    return prev
 
 
 @triton.jit
@@ -108,15 +165,25 @@ def _radix_search(base, V, temp, lo_key, m, bound, USE_MASS: tl.constexpr, BLOCK
 
 
 @triton.jit
+def _offset_of(nd_ptr, r, OFF_B: tl.constexpr):
+    """``sum(num_drafts[:r])`` (int64): flat index of request r's first draft."""
+    acc = tl.zeros([OFF_B], dtype=tl.int64)
+    for start in range(0, r, OFF_B):
+        i = start + tl.arange(0, OFF_B)
+        acc += tl.load(nd_ptr + i, mask=i < r, other=0)
+    return tl.sum(acc, axis=0)
+
+
+@triton.jit(do_not_specialize=["ds_s", "temp_s", "topk_s", "topp_s"])
 def _filter_kernel(
-    logits_ptr, stride_l, nd_ptr, cu_ptr, ds_ptr, ds_s, temp_ptr, temp_s, topk_ptr, topk_s, topp_ptr, topp_s,
+    logits_ptr, stride_l, nd_ptr, ds_ptr, ds_s, temp_ptr, temp_s, topk_ptr, topk_s, topp_ptr, topp_s,
     thr_ptr, V,
-    HAS_K: tl.constexpr, HAS_P: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_K: tl.constexpr, HAS_P: tl.constexpr, BLOCK: tl.constexpr, OFF_B: tl.constexpr,
 ):
     req = tl.program_id(0)
     j = tl.program_id(1)
     if j <= tl.load(nd_ptr + req):
-        row = tl.load(cu_ptr + req) + req + j
+        row = _offset_of(nd_ptr, req, OFF_B) + req + j
         _filter_row(logits_ptr, stride_l, row, req, ds_ptr, ds_s, temp_ptr, temp_s, topk_ptr, topk_s,
                     topp_ptr, topp_s, thr_ptr, V, HAS_K, HAS_P, BLOCK)
 
@@ -163,82 +230,130 @@ def _filter_row(
     tl.store(thr_ptr + row, thr)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["ds_s", "temp_s", "NCHUNK", "TILES"])
 def _stats_kernel(
-    logits_ptr, stride_l, nd_ptr, cu_ptr, ds_ptr, ds_s, temp_ptr, temp_s, thr_ptr, pm_ptr, pz_ptr, pi_ptr,
+    logits_ptr, stride_l, nd_ptr, ds_ptr, ds_s, temp_ptr, temp_s, thr_ptr, pm_ptr, pz_ptr, pi_ptr,
     V, NCHUNK, TILES,
-    HAS_THR: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_THR: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr, OFF_B: tl.constexpr,
+    FAST_EXP: tl.constexpr,
 ):
     req = tl.program_id(0)
     j = tl.program_id(1)
     chunk = tl.program_id(2)
     if j <= tl.load(nd_ptr + req):
-        row = tl.load(cu_ptr + req) + req + j
+        row = _offset_of(nd_ptr, req, OFF_B) + req + j
         _stats_row(logits_ptr, stride_l, row, req, chunk, ds_ptr, ds_s, temp_ptr, temp_s, thr_ptr,
-                   pm_ptr, pz_ptr, pi_ptr, V, NCHUNK, TILES, HAS_THR, BLOCK)
+                   pm_ptr, pz_ptr, pi_ptr, V, NCHUNK, TILES, HAS_THR, BLOCK, STAGES, FAST_EXP)
+
+
+@triton.jit
+def _exp_neg_abs(d, FAST_EXP: tl.constexpr):
+    """``exp(-|d|)``. FAST_EXP (compiled GPU code only): the same ``ex2.approx`` of ``-|d| * log2(e)``
+    that ``tl.exp`` emits, in its flush-to-zero form (no subnormal fix-up): identical except that
+    results below 2**-126 become 0, which cannot change a running sum that is >= 1."""
+    if FAST_EXP:
+        return tl.inline_asm_elementwise(
+            "ex2.approx.ftz.f32 $0, $1;", "=f,f", [tl.abs(d) * -1.4426950408889634],
+            dtype=tl.float32, is_pure=True, pack=1,
+        )
+    else:
+        return tl.exp(-tl.abs(d))
+
+
+@triton.jit
+def _stats_tile(x, t, inv_t, thr, m_vec, z_vec, t_vec, SAMPLE: tl.constexpr, HAS_THR: tl.constexpr,
+                FAST_EXP: tl.constexpr):
+    """One tile. SAMPLE: per-lane online softmax (running max, sum-exp). Otherwise (greedy rows,
+    temperature 1, never filtered): running max and the tile ``t_vec`` of each lane's first max."""
+    if SAMPLE:
+        s = x.to(tl.float32) * inv_t
+        if HAS_THR:
+            s = tl.where(s >= thr, s, float("-inf"))
+        d = s - m_vec
+        e = _exp_neg_abs(d, FAST_EXP)
+        up = d > 0
+        z_vec = tl.where(up, z_vec * e + 1.0, z_vec + e)
+        m_vec = tl.where(up, s, m_vec)
+    else:
+        s = x.to(tl.float32)
+        up = s > m_vec
+        t_vec = tl.where(up, t, t_vec)
+        m_vec = tl.where(up, s, m_vec)
+    return m_vec, z_vec, t_vec
+
+
+@triton.jit
+def _stats_span(base, t0, t1, tail, n_full, V, inv_t, thr, SAMPLE: tl.constexpr, HAS_THR: tl.constexpr,
+                BLOCK: tl.constexpr, STAGES: tl.constexpr, FAST_EXP: tl.constexpr):
+    """Full tiles [t0, t1) without masks, then the masked tail tile n_full if ``tail``."""
+    lane = tl.arange(0, BLOCK)
+    # running per-lane max starts at a finite floor so that no -inf - -inf appears
+    m_vec = tl.full([BLOCK], -1.0e30, tl.float32)
+    z_vec = tl.zeros([BLOCK], dtype=tl.float32)
+    t_vec = tl.full([BLOCK], -1, tl.int32)
+    if STAGES > 1:
+        for t in tl.range(t0, t1, num_stages=STAGES):
+            x = tl.load(base + t * BLOCK + lane)
+            m_vec, z_vec, t_vec = _stats_tile(x, t, inv_t, thr, m_vec, z_vec, t_vec, SAMPLE, HAS_THR, FAST_EXP)
+    else:
+        for t in range(t0, t1):
+            x = tl.load(base + t * BLOCK + lane)
+            m_vec, z_vec, t_vec = _stats_tile(x, t, inv_t, thr, m_vec, z_vec, t_vec, SAMPLE, HAS_THR, FAST_EXP)
+    if tail:
+        offs = n_full * BLOCK + lane
+        x = tl.load(base + offs, mask=offs < V, other=float("-inf"))
+        m_vec, z_vec, t_vec = _stats_tile(x, n_full, inv_t, thr, m_vec, z_vec, t_vec, SAMPLE, HAS_THR, FAST_EXP)
+    return m_vec, z_vec, t_vec
 
 
 @triton.jit
 def _stats_row(
     logits_ptr, stride_l, row, req, chunk, ds_ptr, ds_s, temp_ptr, temp_s, thr_ptr, pm_ptr, pz_ptr, pi_ptr,
-    V, NCHUNK, TILES, HAS_THR: tl.constexpr, BLOCK: tl.constexpr,
+    V, NCHUNK, TILES, HAS_THR: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
+    FAST_EXP: tl.constexpr,
 ):
+    """Chunk statistics of one row: max m, sum exp(s - m) (sampling rows; 1 for greedy rows) and
+    the first argmax (greedy rows; 0 for sampling rows, where it is never read)."""
     ds = tl.load(ds_ptr + req * ds_s) != 0
-    inv_t = 1.0 / tl.where(ds, tl.load(temp_ptr + req * temp_s), 1.0)
-    thr = float("-inf")
-    if HAS_THR:
-        thr = tl.load(thr_ptr + row)
     base = logits_ptr + row.to(tl.int64) * stride_l
-    # running per-lane max starts at a finite floor so that no -inf - -inf appears
-    m_vec = tl.full([BLOCK], -1.0e30, tl.float32)
-    z_vec = tl.zeros([BLOCK], dtype=tl.float32)
-    i_vec = tl.zeros([BLOCK], dtype=tl.int32)
-    start0 = chunk * TILES * BLOCK
-    for t in range(0, TILES):
-        offs = start0 + t * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < V
-        s = tl.load(base + offs, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
-        if HAS_THR:
-            s = tl.where(s >= thr, s, float("-inf"))
-        d = s - m_vec
-        e = tl.exp(-tl.abs(d))
-        up = d > 0
-        z_vec = tl.where(up, z_vec * e + 1.0, z_vec + e)
-        i_vec = tl.where(up, offs, i_vec)
-        m_vec = tl.where(up, s, m_vec)
-    m = tl.max(m_vec, axis=0)
-    z = tl.sum(z_vec * tl.exp(m_vec - m), axis=0)
-    idx = tl.min(tl.where(m_vec == m, i_vec, 2147483647), axis=0)
+    # this chunk's tiles: [t0, t0 + TILES) ∩ [0, cdiv(V, BLOCK)); full tiles need no mask
+    t0 = chunk * TILES
+    n_full = V // BLOCK
+    t1 = tl.minimum(t0 + TILES, n_full)
+    tail = (n_full * BLOCK < V) & (n_full >= t0) & (n_full < t0 + TILES)
     out = row * NCHUNK + chunk
-    tl.store(pm_ptr + out, m)
-    tl.store(pz_ptr + out, z)
-    tl.store(pi_ptr + out, idx)
+    if ds:
+        inv_t = 1.0 / tl.load(temp_ptr + req * temp_s)
+        thr = float("-inf")
+        if HAS_THR:
+            thr = tl.load(thr_ptr + row)
+        m_vec, z_vec, t_vec = _stats_span(base, t0, t1, tail, n_full, V, inv_t, thr, True, HAS_THR, BLOCK,
+                                          STAGES, FAST_EXP)
+        m = tl.max(m_vec, axis=0)
+        tl.store(pm_ptr + out, m)
+        tl.store(pz_ptr + out, tl.sum(z_vec * tl.exp(m_vec - m), axis=0))
+        tl.store(pi_ptr + out, 0)
+    else:
+        m_vec, z_vec, t_vec = _stats_span(base, t0, t1, tail, n_full, V, 1.0, float("-inf"), False, False,
+                                          BLOCK, STAGES, FAST_EXP)
+        m = tl.max(m_vec, axis=0)
+        i_vec = tl.where(t_vec >= 0, t_vec * BLOCK + tl.arange(0, BLOCK), 0)
+        tl.store(pm_ptr + out, m)
+        tl.store(pz_ptr + out, 1.0)
+        tl.store(pi_ptr + out, tl.min(tl.where(m_vec == m, i_vec, 2147483647), axis=0))
 
 
-@triton.jit
-def _merge_stats(pm_ptr, pz_ptr, pi_ptr, row, NCHUNK, NCHUNK_P2: tl.constexpr):
-    c = tl.arange(0, NCHUNK_P2)
-    cm = c < NCHUNK
-    pm = tl.load(pm_ptr + row * NCHUNK + c, mask=cm, other=float("-inf"))
-    pz = tl.load(pz_ptr + row * NCHUNK + c, mask=cm, other=0.0)
-    pi = tl.load(pi_ptr + row * NCHUNK + c, mask=cm, other=2147483647)
-    m = tl.max(pm, axis=0)
-    z = tl.sum(pz * tl.exp(pm - m), axis=0)
-    idx = tl.min(tl.where(pm == m, pi, 2147483647), axis=0)
-    return m, z, idx
-
-
-@triton.jit
+@triton.jit(do_not_specialize=["ds_s", "temp_s", "seed_s", "off_s", "stride_o", "NCHUNK", "OUT_W"])
 def _accept_kernel(
-    logits_ptr, stride_l, q_ptr, stride_q, draft_ptr, nd_ptr, cu_ptr, ds_ptr, ds_s, temp_ptr, temp_s,
+    logits_ptr, stride_l, q_ptr, stride_q, draft_ptr, nd_ptr, ds_ptr, ds_s, temp_ptr, temp_s,
     thr_ptr, pm_ptr, pz_ptr, pi_ptr, seed_ptr, seed_s, off_ptr, off_s, key2_ptr, unif_ptr,
-    out_ptr, stride_o, nacc_ptr, em_ptr, ez_ptr, NCHUNK, OUT_W,
+    out_ptr, stride_o, nacc_ptr, em_ptr, ez_ptr, erow_ptr, qrow_ptr, NCHUNK, OUT_W,
     HAS_Q: tl.constexpr, HAS_THR: tl.constexpr, EXPLICIT_U: tl.constexpr,
-    NCHUNK_P2: tl.constexpr, OUT_P2: tl.constexpr,
+    NCHUNK_P2: tl.constexpr, L_P2: tl.constexpr, OFF_B: tl.constexpr,
 ):
     r = tl.program_id(0)
     l = tl.load(nd_ptr + r)
-    off = tl.load(cu_ptr + r)
+    off = _offset_of(nd_ptr, r, OFF_B)
     row0 = off + r
     ds = tl.load(ds_ptr + r * ds_s) != 0
     temp = 1.0 / tl.where(ds, tl.load(temp_ptr + r * temp_s), 1.0)  # multiplier
@@ -246,100 +361,105 @@ def _accept_kernel(
     offset = tl.load(off_ptr + r * off_s)
     key1 = _stream_key(seed, offset, 1)
     tl.store(key2_ptr + r, _stream_key(seed, offset, 2).to(tl.int64))
-    n = off * 0
-    alive = ds | True
-    for j in range(0, l):
-        row = row0 + j
-        m, z, amax = _merge_stats(pm_ptr, pz_ptr, pi_ptr, row, NCHUNK, NCHUNK_P2)
-        d = tl.load(draft_ptr + off + j)
-        s_d = tl.load(logits_ptr + row * stride_l + d).to(tl.float32) * temp
-        thr = float("-inf")
-        if HAS_THR:
-            thr = tl.load(thr_ptr + row)
-        p_d = tl.where(s_d >= thr, tl.exp(s_d - m) / z, 0.0)
-        if HAS_Q:
-            q_d = tl.load(q_ptr + (off + j) * stride_q + d).to(tl.float32)
-        else:
-            q_d = 1.0
-        if EXPLICIT_U:
-            u = tl.load(unif_ptr + off + j)
-        else:
-            u = _uniform(key1, off * 0 + j)
-        acc = tl.where(ds, u * q_d < p_d, d == amax)
-        alive = alive & acc
-        n += alive.to(tl.int64)
-    e = row0 + n
-    m_e, z_e, amax_e = _merge_stats(pm_ptr, pz_ptr, pi_ptr, e, NCHUNK, NCHUNK_P2)
+
+    # statistics of all l + 1 rows of the request at once: [L_P2, NCHUNK_P2]
+    jj = tl.arange(0, L_P2)  # row j of the request = draft position j (j == l: bonus row)
+    rv = jj <= l
+    dv = jj < l
+    rows = row0 + jj
+    c = tl.arange(0, NCHUNK_P2)
+    ci = rows[:, None] * NCHUNK + c[None, :]
+    cmask = rv[:, None] & (c < NCHUNK)[None, :]
+    pm = tl.load(pm_ptr + ci, mask=cmask, other=float("-inf"))
+    pz = tl.load(pz_ptr + ci, mask=cmask, other=0.0)
+    pi = tl.load(pi_ptr + ci, mask=cmask, other=2147483647)
+    m = tl.where(rv, tl.max(pm, axis=1), 0.0)  # rows past l: finite placeholders, never used
+    z = tl.sum(pz * tl.exp(pm - m[:, None]), axis=1)
+    z = tl.where(rv, z, 1.0)
+    amax = tl.min(tl.where(pm == m[:, None], pi, 2147483647), axis=1)
+
+    # every acceptance test in parallel; n = first rejected position (l when all accepted)
+    d = tl.load(draft_ptr + off + jj, mask=dv, other=0)
+    s_d = tl.load(logits_ptr + rows * stride_l + d, mask=dv, other=float("-inf")).to(tl.float32) * temp
+    thr = float("-inf")
+    if HAS_THR:
+        thr = tl.load(thr_ptr + rows, mask=dv, other=float("-inf"))
+    p_d = tl.where(s_d >= thr, tl.exp(s_d - m) / z, 0.0)
+    if HAS_Q:
+        q_d = tl.load(q_ptr + (off + jj) * stride_q + d, mask=dv, other=1.0).to(tl.float32)
+    else:
+        q_d = 1.0
+    if EXPLICIT_U:
+        u = tl.load(unif_ptr + off + jj, mask=dv, other=0.0)
+    else:
+        u = _uniform(key1, jj)
+    acc = tl.where(ds, u * q_d < p_d, d == amax)
+    n = tl.min(tl.where(acc | (jj >= l), l, jj), axis=0).to(tl.int64)
+
+    sel = jj == n
+    m_e = tl.max(tl.where(sel, m, float("-inf")), axis=0)
+    z_e = tl.max(tl.where(sel, z, float("-inf")), axis=0)
+    amax_e = tl.min(tl.where(sel, amax, 2147483647), axis=0)
     tl.store(nacc_ptr + r, n)
     tl.store(em_ptr + r, m_e)
     tl.store(ez_ptr + r, z_e)
-    pos = tl.arange(0, OUT_P2)
-    dv = tl.load(draft_ptr + off + pos, mask=pos < l, other=-1)
+    tl.store(erow_ptr + r, row0 + n)
+    tl.store(qrow_ptr + r, tl.where(n < l, off + n, -1))  # draft row of the emit position, -1: bonus
     emit = tl.where(ds, -1, amax_e.to(tl.int64))
-    tok = tl.where(pos < n, dv, tl.where(pos == n, emit, -1))
-    tl.store(out_ptr + r * stride_o + pos, tok, mask=pos < OUT_W)
+    tok = tl.where(jj < n, d, tl.where(jj == n, emit, -1))
+    tl.store(out_ptr + r * stride_o + jj, tok, mask=jj < OUT_W)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["ds_s", "temp_s", "NCHUNK", "TILES"])
 def _race_kernel(
-    logits_ptr, stride_l, q_ptr, stride_q, draft_ptr, nd_ptr, cu_ptr, ds_ptr, ds_s, temp_ptr, temp_s,
-    thr_ptr, nacc_ptr, em_ptr, ez_ptr, key_ptr, exp_ptr, stride_e,
+    logits_ptr, stride_l, q_ptr, stride_q, draft_ptr, ds_ptr, ds_s, temp_ptr, temp_s,
+    thr_ptr, erow_ptr, qrow_ptr, em_ptr, ez_ptr, key_ptr, exp_ptr, stride_e,
     pr_ptr, pri_ptr, pp_ptr, ppi_ptr, V, NCHUNK, TILES,
     HAS_Q: tl.constexpr, HAS_THR: tl.constexpr, EXPLICIT_E: tl.constexpr, BLOCK: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     r = tl.program_id(0)
     chunk = tl.program_id(1)
     ds = tl.load(ds_ptr + r * ds_s) != 0
     if ds:
-        n = tl.load(nacc_ptr + r)
-        l = tl.load(nd_ptr + r)
-        off = tl.load(cu_ptr + r)
-        e = off + r + n
-        has_q = n < l
-        qrow = off + n
+        e = tl.load(erow_ptr + r)
+        qrow = tl.load(qrow_ptr + r)  # -1: bonus row (q = 0)
+        has_q = qrow >= 0
+        qrow = tl.maximum(qrow, 0)
         m = tl.load(em_ptr + r)
         inv_z = 1.0 / tl.load(ez_ptr + r)
         temp = 1.0 / tl.load(temp_ptr + r * temp_s)  # multiplier
         thr = float("-inf")
         if HAS_THR:
             thr = tl.load(thr_ptr + e)
-        qrow = tl.where(has_q, qrow, 0)
-        qlim = tl.where(has_q, V, 0)
         d = tl.where(has_q, tl.load(draft_ptr + qrow), -1)
         key = tl.load(key_ptr + r).to(tl.uint32)
         base = logits_ptr + e.to(tl.int64) * stride_l
         qbase = q_ptr + qrow.to(tl.int64) * stride_q
+        ebase = exp_ptr + r.to(tl.int64) * stride_e
         br = tl.full([BLOCK], -1.0, tl.float32)
-        bri = tl.zeros([BLOCK], dtype=tl.int32)
+        bri = tl.full([BLOCK], -1, tl.int32)
         bp = tl.full([BLOCK], -1.0, tl.float32)
-        bpi = tl.zeros([BLOCK], dtype=tl.int32)
-        start0 = chunk * TILES * BLOCK
-        for t in range(0, TILES):
-            offs = start0 + t * BLOCK + tl.arange(0, BLOCK)
-            mask = offs < V
-            s = tl.load(base + offs, mask=mask, other=float("-inf")).to(tl.float32) * temp
-            p = tl.where(mask & (s >= thr), tl.exp(s - m) * inv_z, 0.0)
-            if HAS_Q:
-                q = tl.load(qbase + offs, mask=offs < qlim, other=0.0).to(tl.float32)
+        bpi = tl.full([BLOCK], -1, tl.int32)
+        t0 = chunk * TILES
+        n_full = V // BLOCK
+        t1 = tl.minimum(t0 + TILES, n_full)
+        tail = (n_full * BLOCK < V) & (n_full >= t0) & (n_full < t0 + TILES)
+        if HAS_Q:
+            if has_q:
+                br, bri, bp, bpi = _race_span(base, qbase, ebase, t0, t1, tail, n_full, V, d, key, temp, m,
+                                              inv_z, thr, br, bri, bp, bpi, 1, HAS_THR, EXPLICIT_E, BLOCK, STAGES)
             else:
-                q = tl.where(offs == d, 1.0, 0.0)
-            if EXPLICIT_E:
-                ex = tl.load(exp_ptr + r * stride_e + offs, mask=mask, other=1.0)
-            else:
-                ex = _exp1(_uniform(key, offs))
-            inv_e = 1.0 / ex
-            kr = tl.where(mask, tl.maximum(p - q, 0.0) * inv_e, -1.0)
-            kp = tl.where(mask, p * inv_e, -1.0)
-            ur = kr > br
-            bri = tl.where(ur, offs, bri)
-            br = tl.where(ur, kr, br)
-            up = kp > bp
-            bpi = tl.where(up, offs, bpi)
-            bp = tl.where(up, kp, bp)
+                br, bri, bp, bpi = _race_span(base, qbase, ebase, t0, t1, tail, n_full, V, d, key, temp, m,
+                                              inv_z, thr, br, bri, bp, bpi, 0, HAS_THR, EXPLICIT_E, BLOCK, STAGES)
+        else:
+            br, bri, bp, bpi = _race_span(base, qbase, ebase, t0, t1, tail, n_full, V, d, key, temp, m,
+                                          inv_z, thr, br, bri, bp, bpi, 2, HAS_THR, EXPLICIT_E, BLOCK, STAGES)
+        lane = tl.arange(0, BLOCK)
         vr = tl.max(br, axis=0)
-        ir = tl.min(tl.where(br == vr, bri, 2147483647), axis=0)
+        ir = tl.min(tl.where(br == vr, tl.where(bri >= 0, bri * BLOCK + lane, 0), 2147483647), axis=0)
         vp = tl.max(bp, axis=0)
-        ip = tl.min(tl.where(bp == vp, bpi, 2147483647), axis=0)
+        ip = tl.min(tl.where(bp == vp, tl.where(bpi >= 0, bpi * BLOCK + lane, 0), 2147483647), axis=0)
         o = r * NCHUNK + chunk
         tl.store(pr_ptr + o, vr)
         tl.store(pri_ptr + o, ir)
@@ -348,6 +468,74 @@ def _race_kernel(
 
 
 @triton.jit
+def _race_span(
+    base, qbase, ebase, t0, t1, tail, n_full, V, d, key, temp, m, inv_z, thr, br, bri, bp, bpi,
+    Q_MODE: tl.constexpr, HAS_THR: tl.constexpr, EXPLICIT_E: tl.constexpr, BLOCK: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    """Full tiles [t0, t1) without masks, then the masked tail tile n_full if ``tail``."""
+    lane = tl.arange(0, BLOCK)
+    if STAGES > 1:
+        for t in tl.range(t0, t1, num_stages=STAGES):
+            br, bri, bp, bpi = _race_tile(base, qbase, ebase, t * BLOCK + lane, t, V, d, key, temp, m, inv_z, thr,
+                                          br, bri, bp, bpi, Q_MODE, HAS_THR, EXPLICIT_E, False)
+    else:
+        for t in range(t0, t1):
+            br, bri, bp, bpi = _race_tile(base, qbase, ebase, t * BLOCK + lane, t, V, d, key, temp, m, inv_z, thr,
+                                          br, bri, bp, bpi, Q_MODE, HAS_THR, EXPLICIT_E, False)
+    if tail:
+        br, bri, bp, bpi = _race_tile(base, qbase, ebase, n_full * BLOCK + lane, n_full, V, d, key, temp, m, inv_z,
+                                      thr, br, bri, bp, bpi, Q_MODE, HAS_THR, EXPLICIT_E, True)
+    return br, bri, bp, bpi
+
+
+@triton.jit
+def _race_tile(
+    base, qbase, ebase, offs, t, V, d, key, temp, m, inv_z, thr, br, bri, bp, bpi,
+    Q_MODE: tl.constexpr, HAS_THR: tl.constexpr, EXPLICIT_E: tl.constexpr, MASKED: tl.constexpr,
+):
+    """One tile of both races. Q_MODE: 0 = no draft row (q = 0), 1 = load q, 2 = one-hot at d.
+    ``bri`` / ``bpi`` keep the tile of each lane's first maximum (strict ``>``)."""
+    if MASKED:
+        mask = offs < V
+        s = tl.load(base + offs, mask=mask, other=float("-inf")).to(tl.float32) * temp
+    else:
+        s = tl.load(base + offs).to(tl.float32) * temp
+    p = tl.exp(s - m) * inv_z  # masked lanes: exp(-inf) = 0
+    if HAS_THR:
+        p = tl.where(s >= thr, p, 0.0)
+    if Q_MODE == 1:
+        if MASKED:
+            q = tl.load(qbase + offs, mask=mask, other=0.0).to(tl.float32)
+        else:
+            q = tl.load(qbase + offs).to(tl.float32)
+    elif Q_MODE == 2:
+        q = tl.where(offs == d, 1.0, 0.0)
+    else:
+        q = tl.zeros_like(p)
+    if EXPLICIT_E:
+        if MASKED:
+            ex = tl.load(ebase + offs, mask=mask, other=1.0)
+        else:
+            ex = tl.load(ebase + offs)
+    else:
+        ex = _exp1(_uniform(key, offs))
+    inv_e = 1.0 / ex
+    kr = tl.maximum(p - q, 0.0) * inv_e
+    kp = p * inv_e
+    if MASKED:
+        kr = tl.where(mask, kr, -1.0)
+        kp = tl.where(mask, kp, -1.0)
+    ur = kr > br
+    bri = tl.where(ur, t, bri)
+    br = tl.where(ur, kr, br)
+    up = kp > bp
+    bpi = tl.where(up, t, bpi)
+    bp = tl.where(up, kp, bp)
+    return br, bri, bp, bpi
+
+
+@triton.jit(do_not_specialize=["ds_s", "stride_o", "NCHUNK"])
 def _finalize_kernel(
     ds_ptr, ds_s, nacc_ptr, pr_ptr, pri_ptr, pp_ptr, ppi_ptr, out_ptr, stride_o, NCHUNK,
     NCHUNK_P2: tl.constexpr,
@@ -371,10 +559,15 @@ def _finalize_kernel(
 
 
 def _chunking(n_programs_rows: int, V: int, block: int, target: int) -> tuple[int, int]:
+    """(chunks, tiles per chunk) so that rows * chunks is about ``target`` programs."""
     n_tiles = triton.cdiv(V, block)
     want = max(1, min(n_tiles, triton.cdiv(target, max(n_programs_rows, 1))))
     tiles = triton.cdiv(n_tiles, want)
     return triton.cdiv(n_tiles, tiles), tiles
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 _SM_COUNT: dict = {}
@@ -389,8 +582,11 @@ def _sm_count(dev: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
-def verify_triton(p, block: int | None = None, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton backend. ``p`` is an ``api._Prepared``; returns (num_accepted, output_tokens)."""
+def verify_triton(p, config: LaunchConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton backend. ``p`` is an ``api._Prepared``; returns (num_accepted, output_tokens).
+
+    ``config``: launch shape of the stats / race kernels (default: :func:`get_launch_config`)."""
+    cfg = config if config is not None else _CONFIG
     logits = p.target_logits
     dev = logits.device
     N, V = logits.shape
@@ -399,60 +595,63 @@ def verify_triton(p, block: int | None = None, num_warps: int = 4) -> tuple[torc
     nacc = torch.empty((R,), dtype=torch.int64, device=dev)
     if R == 0:
         return nacc, out
-    if block is None:
-        block = min(1024, triton.next_power_of_2(V))
-    target = 4 * _sm_count(dev)
+    v_p2 = triton.next_power_of_2(V)
+    sms = _sm_count(dev)
+    nd = p.num_drafts
     ds, temp = p.do_sample, p.temperature
     pr_args = (ds, ds.stride(0), temp, temp.stride(0))
     has_thr = p.top_k is not None or p.top_p is not None
     thr = torch.empty((N,), dtype=torch.float32, device=dev)
     if has_thr:
-        tk = p.top_k if p.top_k is not None else p.num_drafts
+        tk = p.top_k if p.top_k is not None else nd
         tp = p.top_p if p.top_p is not None else thr
         _filter_kernel[(R, L + 1)](
-            logits, logits.stride(0), p.num_drafts, p.cu_drafts, *pr_args,
-            tk, tk.stride(0), tp, tp.stride(0), thr, V,
-            HAS_K=p.top_k is not None, HAS_P=p.top_p is not None, BLOCK=min(256, block), num_warps=4,
+            logits, logits.stride(0), nd, *pr_args, tk, tk.stride(0), tp, tp.stride(0), thr, V,
+            HAS_K=p.top_k is not None, HAS_P=p.top_p is not None, BLOCK=min(256, v_p2), OFF_B=OFF_BLOCK,
+            num_warps=4,
         )
-    nchunk, tiles = _chunking(N, V, block, target)
+    sblock = min(cfg.stats_block, v_p2)
+    nchunk, tiles = _chunking(N, V, sblock, cfg.stats_programs_per_sm * sms)
     pm = torch.empty((N, nchunk), dtype=torch.float32, device=dev)
     pz = torch.empty_like(pm)
     pi = torch.empty((N, nchunk), dtype=torch.int32, device=dev)
     _stats_kernel[(R, L + 1, nchunk)](
-        logits, logits.stride(0), p.num_drafts, p.cu_drafts, *pr_args, thr, pm, pz, pi,
-        V, nchunk, tiles, HAS_THR=has_thr, BLOCK=block, num_warps=num_warps,
+        logits, logits.stride(0), nd, *pr_args, thr, pm, pz, pi, V, nchunk, tiles,
+        HAS_THR=has_thr, BLOCK=sblock, STAGES=cfg.stats_stages, OFF_B=OFF_BLOCK, FAST_EXP=not _interpreting(),
+        num_warps=cfg.stats_warps,
     )
     q = p.draft_probs
     has_q = q is not None
     q_arg = q if has_q else thr
     stride_q = q.stride(0) if has_q else 0
-    em = torch.empty((R,), dtype=torch.float32, device=dev)
-    ez = torch.empty_like(em)
-    key2 = torch.empty((R,), dtype=torch.int64, device=dev)
+    fbuf = torch.empty((2, R), dtype=torch.float32, device=dev)  # emit-row max, sum-exp
+    ibuf = torch.empty((3, R), dtype=torch.int64, device=dev)  # race key, emit row, draft row
     draft = p.draft_ids if p.draft_ids.numel() > 0 else nacc  # never read when T == 0
     _accept_kernel[(R,)](
-        logits, logits.stride(0), q_arg, stride_q, draft, p.num_drafts, p.cu_drafts, *pr_args,
-        thr, pm, pz, pi, p.seeds, p.seeds.stride(0), p.offsets, p.offsets.stride(0), key2,
+        logits, logits.stride(0), q_arg, stride_q, draft, nd, *pr_args,
+        thr, pm, pz, pi, p.seeds, p.seeds.stride(0), p.offsets, p.offsets.stride(0), ibuf[0],
         p.uniforms if p.uniforms is not None else thr,
-        out, out.stride(0), nacc, em, ez, nchunk, L + 1,
+        out, out.stride(0), nacc, fbuf[0], fbuf[1], ibuf[1], ibuf[2], nchunk, L + 1,
         HAS_Q=has_q, HAS_THR=has_thr, EXPLICIT_U=p.uniforms is not None,
-        NCHUNK_P2=triton.next_power_of_2(nchunk), OUT_P2=triton.next_power_of_2(L + 1), num_warps=1,
+        NCHUNK_P2=triton.next_power_of_2(nchunk), L_P2=triton.next_power_of_2(L + 1), OFF_B=OFF_BLOCK,
+        num_warps=1,
     )
     if p.any_sample:
-        nchunk_r, tiles_r = _chunking(R, V, block, target)
-        pr = torch.empty((R, nchunk_r), dtype=torch.float32, device=dev)
-        pri = torch.empty((R, nchunk_r), dtype=torch.int32, device=dev)
-        pp = torch.empty_like(pr)
-        ppi = torch.empty_like(pri)
+        rblock = min(cfg.race_block, v_p2)
+        nchunk_r, tiles_r = _chunking(R, V, rblock, cfg.race_programs_per_sm * sms)
+        pr = torch.empty((2, R, nchunk_r), dtype=torch.float32, device=dev)
+        pri = torch.empty((2, R, nchunk_r), dtype=torch.int32, device=dev)
         ex = p.exponentials
         _race_kernel[(R, nchunk_r)](
-            logits, logits.stride(0), q_arg, stride_q, draft, p.num_drafts, p.cu_drafts, *pr_args,
-            thr, nacc, em, ez, key2, ex if ex is not None else thr, ex.stride(0) if ex is not None else 0,
-            pr, pri, pp, ppi, V, nchunk_r, tiles_r,
-            HAS_Q=has_q, HAS_THR=has_thr, EXPLICIT_E=ex is not None, BLOCK=block, num_warps=num_warps,
+            logits, logits.stride(0), q_arg, stride_q, draft, *pr_args,
+            thr, ibuf[1], ibuf[2], fbuf[0], fbuf[1], ibuf[0],
+            ex if ex is not None else thr, ex.stride(0) if ex is not None else 0,
+            pr[0], pri[0], pr[1], pri[1], V, nchunk_r, tiles_r,
+            HAS_Q=has_q, HAS_THR=has_thr, EXPLICIT_E=ex is not None, BLOCK=rblock, STAGES=cfg.race_stages,
+            num_warps=cfg.race_warps,
         )
         _finalize_kernel[(R,)](
-            ds, ds.stride(0), nacc, pr, pri, pp, ppi, out, out.stride(0), nchunk_r,
+            ds, ds.stride(0), nacc, pr[0], pri[0], pr[1], pri[1], out, out.stride(0), nchunk_r,
             NCHUNK_P2=triton.next_power_of_2(nchunk_r), num_warps=1,
         )
     return nacc, out
