@@ -68,6 +68,15 @@ def random_sps(gen: torch.Generator, max_b: int) -> SPSTable:
 APPENDIX_A_SPS = SPSTable([1, 2, 3], [1.0, 0.5, 0.45])
 
 
+def test_lookups_use_the_non_increasing_envelope_of_noisy_measurements():
+    noisy = SPSTable([1, 2, 4, 8, 16], [145.0, 136.0, 112.0, 138.0, 60.0])  # a dip at 4 (launch-bound noise)
+    assert noisy.steps_per_second == [145.0, 136.0, 112.0, 138.0, 60.0]  # measurements kept as measured
+    assert noisy(4) == 138.0 and noisy(2) == 138.0 and noisy(1) == 145.0 and noisy(12) == 99.0
+    conf = torch.full((1, 7), 0.9, dtype=F64)  # flat cost up to B = 8: every draft is worth verifying
+    assert hardware_aware_sync(conf, noisy).tolist() == [7]
+    assert hardware_aware_sync(conf, SPSTable([1, 2, 4, 8], [145.0, 136.0, 112.0, 138.0])).tolist() == [7]
+
+
 # ----------------------------------------------------------------------------- SPSTable
 def test_sps_interpolation_and_clamp():
     t = SPSTable([4, 1, 2], [0.25, 1.0, 0.5])  # unsorted input is sorted

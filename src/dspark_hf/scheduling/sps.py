@@ -46,6 +46,11 @@ class SPSTable:
 
     ``sps(B)`` interpolates piecewise-linearly in B between measured points and clamps outside the
     measured range. Works on Python numbers and on tensors of B (returns float64 tensors then).
+
+    Lookups use the non-increasing envelope of the measurements, ``max(sps_i for B_i >= B)``: a forward of
+    B tokens is never slower than one of more tokens (it could be padded), so a measured dip is noise. On a
+    launch-bound target, whose forward time is flat in B, such dips would otherwise stop the hardware-aware
+    policy's admission early. ``steps_per_second`` keeps the measured values.
     """
 
     batch_tokens: list[int]
@@ -71,7 +76,7 @@ class SPSTable:
         self.batch_tokens = bs
         self.steps_per_second = [s for _, s in pairs]
         self._x = torch.tensor(self.batch_tokens, dtype=torch.float64)
-        y = torch.tensor(self.steps_per_second, dtype=torch.float64)
+        y = torch.tensor(self.steps_per_second, dtype=torch.float64).flip(0).cummax(0).values.flip(0)
         if self._x.numel() > 1:  # segment i covers [x_i, x_{i+1}]: y = intercept_i + slope_i * B
             self._slope = (y[1:] - y[:-1]) / (self._x[1:] - self._x[:-1])
             self._intercept = y[:-1] - self._slope * self._x[:-1]
