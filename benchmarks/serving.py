@@ -25,14 +25,16 @@ requests, until the queue runs dry. (With only c requests, speculation would be 
 finish at different rounds and the last rounds run a nearly empty batch, while plain rows all finish together.)
 A short warm-up run (8 tokens, same concurrency and policy) precedes the timed runs. All policies run at one
 concurrency before the next concurrency starts, `--repeats` times in turn, so that a drift over the run affects every
-policy alike; a cell reports the run with the median tokens/s (the upper one for an even count; all runs' tokens/s are kept). tokens/s = generated
-tokens / wall-clock seconds. Each timed run is a fresh engine, but the hardware-aware policy's speculation guard
-lives for the whole benchmark, as in a long-running server: what it measured at the warm-up and earlier runs carries
-over (per batch-size bucket). The SPS table of the hardware-aware policy is profiled in the same run.
+policy alike; a cell reports the run with the median tokens/s (the upper one for an even count; all runs' tokens/s
+are kept). tokens/s = generated tokens / wall-clock seconds; `steady_tokens_per_second` counts only the rounds that
+ran all c slots (admission prefills included), i.e. without the ramp-down after the queue ran dry. Each timed run
+is a fresh engine, but the hardware-aware policy's speculation guard lives for the whole benchmark, as in a
+long-running server: what it measured at the warm-up and earlier runs carries over (per batch-size bucket). The SPS table of the hardware-aware policy is profiled in the same run.
 `hf_paged` is transformers' own continuous batching (paged attention, no speculation, CUDA graphs off like ours) on
 the same requests: the padded-vs-paged comparison of docs/serving.md. The summary ratios are minima over every model and
 concurrency: `scheduler_vs_best_static_min_ratio` (hardware-aware / best of fixed γ ∈ {1,3,7} and static
-threshold) and `scheduler_vs_nospec_min_ratio` (hardware-aware / no speculation).
+threshold) and `scheduler_vs_nospec_min_ratio` (hardware-aware / no speculation); the `steady_` keys are the same
+from `steady_tokens_per_second`.
 """
 
 from __future__ import annotations
@@ -227,6 +229,15 @@ def drive(engine: DSparkEngine, prompts, concurrency: int, args) -> tuple[list, 
     return handles, time.perf_counter() - start
 
 
+def steady_throughput(log: list[dict], concurrency: int) -> float | None:
+    """Tokens/s over the rounds that ran all `concurrency` slots (admission prefills included): the load the cell
+    is named after, without the ramp-down once the queue is empty, where rows finishing at different rounds leave
+    speculative batches part-empty (plain rows finish together)."""
+    full = [entry for entry in log if entry["batch"] == concurrency]
+    seconds = sum(entry["seconds"] for entry in full)
+    return sum(len(e["accepted"]) + sum(e["accepted"]) for e in full) / seconds if seconds > 0 else None
+
+
 def run_cell(target, drafter, prompts, concurrency: int, setting: dict, args, sps_table, trace=None,
              recorded: list | None = None) -> dict:
     engine = make_engine(target, drafter, concurrency, setting, sps_table)
@@ -244,7 +255,8 @@ def run_cell(target, drafter, prompts, concurrency: int, setting: dict, args, sp
     accepted = [n for entry in log for n in entry["accepted"]]
     return dict(
         concurrency=concurrency, requests=len(handles), generated_tokens=tokens, seconds=seconds,
-        tokens_per_second=tokens / seconds, rounds=len(log), round_ms=1e3 * seconds / max(1, len(log)),
+        tokens_per_second=tokens / seconds, steady_tokens_per_second=steady_throughput(log, concurrency),
+        rounds=len(log), round_ms=1e3 * seconds / max(1, len(log)),
         round_ms_median=1e3 * statistics.median(e["seconds"] for e in log) if log else None,
         round_ms_max=1e3 * max(e["seconds"] for e in log) if log else None,
         tau=(sum(accepted) + len(accepted)) / max(1, len(accepted)),
@@ -318,10 +330,12 @@ def merge_cells(earlier: dict[str, list[dict]], new: dict[str, list[dict]]) -> d
     return merged
 
 
-def summarize(models: dict[str, dict]) -> dict:
+def summarize(models: dict[str, dict], key: str = "tokens_per_second", prefix: str = "") -> dict:
+    """The issue's ratios from whole-run tokens/s; with `key="steady_tokens_per_second", prefix="steady_"` the
+    same from full-load rounds."""
     vs_static, vs_nospec, per_model = [], [], {}
     for name, entry in models.items():
-        by = {policy: {c["concurrency"]: c["tokens_per_second"] for c in rows}
+        by = {policy: {c["concurrency"]: c[key] for c in rows if c.get(key)}
               for policy, rows in entry["results"].items()}
         static_ratio, nospec_ratio = {}, {}
         for level, hw in sorted(by.get("hardware_aware", {}).items()):
@@ -333,8 +347,9 @@ def summarize(models: dict[str, dict]) -> dict:
         per_model[name] = dict(scheduler_vs_best_static=static_ratio, scheduler_vs_nospec=nospec_ratio)
         vs_static += static_ratio.values()
         vs_nospec += nospec_ratio.values()
-    return dict(scheduler_vs_best_static_min_ratio=min(vs_static) if vs_static else None,
-                scheduler_vs_nospec_min_ratio=min(vs_nospec) if vs_nospec else None, ratios_by_model=per_model)
+    return {f"{prefix}scheduler_vs_best_static_min_ratio": min(vs_static) if vs_static else None,
+            f"{prefix}scheduler_vs_nospec_min_ratio": min(vs_nospec) if vs_nospec else None,
+            f"{prefix}ratios_by_model": per_model}
 
 
 def plot(models: dict[str, dict], path: Path) -> None:
@@ -428,10 +443,13 @@ def main() -> None:
             round_breakdown=breakdown or earlier.get("round_breakdown", []),
         )
         payload.update(summarize(payload["models"]))
+        payload.update(summarize(payload["models"], "steady_tokens_per_second", "steady_"))
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(payload, indent=2) + "\n")
         plot(payload["models"], out.with_suffix(".png"))
-        print({k: payload[k] for k in ("scheduler_vs_best_static_min_ratio", "scheduler_vs_nospec_min_ratio")},
+        print({k: payload[k] for k in ("scheduler_vs_best_static_min_ratio", "scheduler_vs_nospec_min_ratio",
+                                       "steady_scheduler_vs_best_static_min_ratio",
+                                       "steady_scheduler_vs_nospec_min_ratio")},
               flush=True)
 
     chosen = {name: setting for name, setting in policies(args.threshold, gamma_max).items()
@@ -453,7 +471,8 @@ def main() -> None:
                 cell = dict(cell, tokens_per_second_runs=[c["tokens_per_second"] for c in cells])
                 results.setdefault(name, []).append(cell)
                 print(f"{args.model} {name:>16} c={concurrency:<4} {cell['tokens_per_second']:9.1f} tok/s "
-                      f"(runs {' '.join(f'{t:.0f}' for t in cell['tokens_per_second_runs'])})  "
+                      f"(runs {' '.join(f'{t:.0f}' for t in cell['tokens_per_second_runs'])}; "
+                      f"full load {cell['steady_tokens_per_second'] or 0:.0f})  "
                       f"tau={cell['tau']:.2f}  round={cell['round_ms']:.1f} ms "
                       f"(median {cell['round_ms_median']:.1f}, max {cell['round_ms_max']:.0f})  "
                       f"holes={cell['mean_hole_fraction']:.2f}  plain rounds={cell['plain_round_fraction']:.2f}",
