@@ -49,7 +49,8 @@ class LaunchConfig:
     ``*_warps``: num_warps. ``*_programs_per_sm``: the vocab is split into chunks so that about
     this many programs per SM are launched (at least one tile per chunk).
     ``*_stages``: ``tl.range(num_stages=...)`` software pipelining of the tile loads; 1 = a
-    plain loop. Results do not depend on the configuration beyond float32 rounding of the
+    plain loop. ``race_prune``: skip the noise of race tiles that provably cannot win (exact; see
+    ``_race_tile``). Results do not depend on the configuration beyond float32 rounding of the
     softmax denominators (the chunking changes the summation order)."""
 
     stats_block: int = 2048
@@ -60,6 +61,7 @@ class LaunchConfig:
     race_warps: int = 8
     race_programs_per_sm: int = 16
     race_stages: int = 1
+    race_prune: bool = True
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -347,7 +349,7 @@ def _stats_row(
 def _accept_kernel(
     logits_ptr, stride_l, q_ptr, stride_q, draft_ptr, nd_ptr, ds_ptr, ds_s, temp_ptr, temp_s,
     thr_ptr, pm_ptr, pz_ptr, pi_ptr, seed_ptr, seed_s, off_ptr, off_s, key2_ptr, unif_ptr,
-    out_ptr, stride_o, nacc_ptr, em_ptr, ez_ptr, erow_ptr, qrow_ptr, NCHUNK, OUT_W,
+    out_ptr, stride_o, nacc_ptr, em_ptr, ez_ptr, erow_ptr, qrow_ptr, gbr_ptr, gbp_ptr, NCHUNK, OUT_W,
     HAS_Q: tl.constexpr, HAS_THR: tl.constexpr, EXPLICIT_U: tl.constexpr,
     NCHUNK_P2: tl.constexpr, L_P2: tl.constexpr, OFF_B: tl.constexpr,
 ):
@@ -405,6 +407,8 @@ def _accept_kernel(
     tl.store(ez_ptr + r, z_e)
     tl.store(erow_ptr + r, row0 + n)
     tl.store(qrow_ptr + r, tl.where(n < l, off + n, -1))  # draft row of the emit position, -1: bonus
+    tl.store(gbr_ptr + r, 0)  # race bounds (race_prune, int32 bits of a float key >= 0): none yet
+    tl.store(gbp_ptr + r, 0)
     emit = tl.where(ds, -1, amax_e.to(tl.int64))
     tok = tl.where(jj < n, d, tl.where(jj == n, emit, -1))
     tl.store(out_ptr + r * stride_o + jj, tok, mask=jj < OUT_W)
@@ -413,10 +417,10 @@ def _accept_kernel(
 @triton.jit(do_not_specialize=["ds_s", "temp_s", "NCHUNK", "TILES"])
 def _race_kernel(
     logits_ptr, stride_l, q_ptr, stride_q, draft_ptr, ds_ptr, ds_s, temp_ptr, temp_s,
-    thr_ptr, erow_ptr, qrow_ptr, em_ptr, ez_ptr, key_ptr, exp_ptr, stride_e,
+    thr_ptr, erow_ptr, qrow_ptr, em_ptr, ez_ptr, key_ptr, exp_ptr, stride_e, gbr_ptr, gbp_ptr,
     pr_ptr, pri_ptr, pp_ptr, ppi_ptr, V, NCHUNK, TILES,
     HAS_Q: tl.constexpr, HAS_THR: tl.constexpr, EXPLICIT_E: tl.constexpr, BLOCK: tl.constexpr,
-    STAGES: tl.constexpr,
+    STAGES: tl.constexpr, PRUNE: tl.constexpr,
 ):
     r = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -437,24 +441,22 @@ def _race_kernel(
         base = logits_ptr + e.to(tl.int64) * stride_l
         qbase = q_ptr + qrow.to(tl.int64) * stride_q
         ebase = exp_ptr + r.to(tl.int64) * stride_e
-        br = tl.full([BLOCK], -1.0, tl.float32)
-        bri = tl.full([BLOCK], -1, tl.int32)
-        bp = tl.full([BLOCK], -1.0, tl.float32)
-        bpi = tl.full([BLOCK], -1, tl.int32)
         t0 = chunk * TILES
         n_full = V // BLOCK
         t1 = tl.minimum(t0 + TILES, n_full)
         tail = (n_full * BLOCK < V) & (n_full >= t0) & (n_full < t0 + TILES)
+        gbr = gbr_ptr + r
+        gbp = gbp_ptr + r
         if HAS_Q:
             if has_q:
-                br, bri, bp, bpi = _race_span(base, qbase, ebase, t0, t1, tail, n_full, V, d, key, temp, m,
-                                              inv_z, thr, br, bri, bp, bpi, 1, HAS_THR, EXPLICIT_E, BLOCK, STAGES)
+                br, bri, bp, bpi = _race_span(base, qbase, ebase, gbr, gbp, t0, t1, tail, n_full, V, d, key, temp,
+                                              m, inv_z, thr, 1, HAS_THR, EXPLICIT_E, BLOCK, STAGES, PRUNE)
             else:
-                br, bri, bp, bpi = _race_span(base, qbase, ebase, t0, t1, tail, n_full, V, d, key, temp, m,
-                                              inv_z, thr, br, bri, bp, bpi, 0, HAS_THR, EXPLICIT_E, BLOCK, STAGES)
+                br, bri, bp, bpi = _race_span(base, qbase, ebase, gbr, gbp, t0, t1, tail, n_full, V, d, key, temp,
+                                              m, inv_z, thr, 0, HAS_THR, EXPLICIT_E, BLOCK, STAGES, PRUNE)
         else:
-            br, bri, bp, bpi = _race_span(base, qbase, ebase, t0, t1, tail, n_full, V, d, key, temp, m,
-                                          inv_z, thr, br, bri, bp, bpi, 2, HAS_THR, EXPLICIT_E, BLOCK, STAGES)
+            br, bri, bp, bpi = _race_span(base, qbase, ebase, gbr, gbp, t0, t1, tail, n_full, V, d, key, temp,
+                                          m, inv_z, thr, 2, HAS_THR, EXPLICIT_E, BLOCK, STAGES, PRUNE)
         lane = tl.arange(0, BLOCK)
         vr = tl.max(br, axis=0)
         ir = tl.min(tl.where(br == vr, tl.where(bri >= 0, bri * BLOCK + lane, 0), 2147483647), axis=0)
@@ -469,37 +471,83 @@ def _race_kernel(
 
 @triton.jit
 def _race_span(
-    base, qbase, ebase, t0, t1, tail, n_full, V, d, key, temp, m, inv_z, thr, br, bri, bp, bpi,
+    base, qbase, ebase, gbr, gbp, t0, t1, tail, n_full, V, d, key, temp, m, inv_z, thr,
     Q_MODE: tl.constexpr, HAS_THR: tl.constexpr, EXPLICIT_E: tl.constexpr, BLOCK: tl.constexpr,
-    STAGES: tl.constexpr,
+    STAGES: tl.constexpr, PRUNE: tl.constexpr,
 ):
-    """Full tiles [t0, t1) without masks, then the masked tail tile n_full if ``tail``."""
+    """Full tiles [t0, t1) without masks, then the masked tail tile n_full if ``tail``.
+    Per lane: best keys (br, bp) and the tile of their first occurrence (bri, bpi)."""
     lane = tl.arange(0, BLOCK)
+    br = tl.full([BLOCK], -1.0, tl.float32)
+    bri = tl.full([BLOCK], -1, tl.int32)
+    bp = tl.full([BLOCK], -1.0, tl.float32)
+    bpi = tl.full([BLOCK], -1, tl.int32)
+    # PRUNE: lower bounds of the request's two race maxima (this program's and, through the
+    # atomics, other programs' keys); tiles that provably cannot reach them skip the noise.
+    if PRUNE:
+        b_r = tl.load(gbr, volatile=True).to(tl.float32, bitcast=True)
+        b_p = tl.load(gbp, volatile=True).to(tl.float32, bitcast=True)
+    else:
+        b_r = tl.full((), -1.0, tl.float32)
+        b_p = tl.full((), -1.0, tl.float32)
     if STAGES > 1:
         for t in tl.range(t0, t1, num_stages=STAGES):
-            br, bri, bp, bpi = _race_tile(base, qbase, ebase, t * BLOCK + lane, t, V, d, key, temp, m, inv_z, thr,
-                                          br, bri, bp, bpi, Q_MODE, HAS_THR, EXPLICIT_E, False)
+            br, bri, bp, bpi, b_r, b_p = _race_tile(
+                base, qbase, ebase, gbr, gbp, t * BLOCK + lane, t, V, d, key, temp, m, inv_z, thr,
+                br, bri, bp, bpi, b_r, b_p, Q_MODE, HAS_THR, EXPLICIT_E, False, PRUNE)
     else:
         for t in range(t0, t1):
-            br, bri, bp, bpi = _race_tile(base, qbase, ebase, t * BLOCK + lane, t, V, d, key, temp, m, inv_z, thr,
-                                          br, bri, bp, bpi, Q_MODE, HAS_THR, EXPLICIT_E, False)
+            br, bri, bp, bpi, b_r, b_p = _race_tile(
+                base, qbase, ebase, gbr, gbp, t * BLOCK + lane, t, V, d, key, temp, m, inv_z, thr,
+                br, bri, bp, bpi, b_r, b_p, Q_MODE, HAS_THR, EXPLICIT_E, False, PRUNE)
     if tail:
-        br, bri, bp, bpi = _race_tile(base, qbase, ebase, n_full * BLOCK + lane, n_full, V, d, key, temp, m, inv_z,
-                                      thr, br, bri, bp, bpi, Q_MODE, HAS_THR, EXPLICIT_E, True)
+        br, bri, bp, bpi, b_r, b_p = _race_tile(
+            base, qbase, ebase, gbr, gbp, n_full * BLOCK + lane, n_full, V, d, key, temp, m, inv_z, thr,
+            br, bri, bp, bpi, b_r, b_p, Q_MODE, HAS_THR, EXPLICIT_E, True, PRUNE)
+    return br, bri, bp, bpi
+
+
+@triton.jit
+def _race_keys(u, r, p, br, bri, bp, bpi, t, mask, EXPLICIT_E: tl.constexpr, ex, MASKED: tl.constexpr):
+    if EXPLICIT_E:
+        inv_e = 1.0 / ex
+    else:
+        inv_e = 1.0 / _exp1(u)
+    kr = r * inv_e
+    kp = p * inv_e
+    if MASKED:
+        kr = tl.where(mask, kr, -1.0)
+        kp = tl.where(mask, kp, -1.0)
+    ur = kr > br
+    bri = tl.where(ur, t, bri)
+    br = tl.where(ur, kr, br)
+    up = kp > bp
+    bpi = tl.where(up, t, bpi)
+    bp = tl.where(up, kp, bp)
     return br, bri, bp, bpi
 
 
 @triton.jit
 def _race_tile(
-    base, qbase, ebase, offs, t, V, d, key, temp, m, inv_z, thr, br, bri, bp, bpi,
+    base, qbase, ebase, gbr, gbp, offs, t, V, d, key, temp, m, inv_z, thr, br, bri, bp, bpi, b_r, b_p,
     Q_MODE: tl.constexpr, HAS_THR: tl.constexpr, EXPLICIT_E: tl.constexpr, MASKED: tl.constexpr,
+    PRUNE: tl.constexpr,
 ):
-    """One tile of both races. Q_MODE: 0 = no draft row (q = 0), 1 = load q, 2 = one-hot at d.
-    ``bri`` / ``bpi`` keep the tile of each lane's first maximum (strict ``>``)."""
+    """One tile of both races: keys ``max(p - q, 0) / E`` and ``p / E``. Q_MODE: 0 = no draft row
+    (q = 0), 1 = load q, 2 = one-hot at d. ``bri`` / ``bpi``: tile of each lane's first maximum.
+
+    PRUNE (implicit noise only): E = _exp1(u) >= -log(u) * (1 - 1e-5) >= (1 - u) * (1 - 1e-5)
+    (float32 error of _exp1 and of the division below 1e-5 relative), so a lane whose
+    ``x * 1.001 < b * (1 - u)`` (x = r or p, b > 0 a key already computed for this request)
+    has a key strictly below b: it can be neither the maximum nor tied with it. The noise, its
+    reciprocal and the updates run only for tiles where some lane can still reach a bound
+    (a bound of 0, the start, keeps every lane). Once the residual race has a positive key the p race is
+    never read (finalize takes it only when the residual maximum is 0) and stops keeping tiles."""
     if MASKED:
         mask = offs < V
         s = tl.load(base + offs, mask=mask, other=float("-inf")).to(tl.float32) * temp
     else:
+        mask = None
         s = tl.load(base + offs).to(tl.float32) * temp
     p = tl.exp(s - m) * inv_z  # masked lanes: exp(-inf) = 0
     if HAS_THR:
@@ -513,26 +561,33 @@ def _race_tile(
         q = tl.where(offs == d, 1.0, 0.0)
     else:
         q = tl.zeros_like(p)
+    r = tl.maximum(p - q, 0.0)
     if EXPLICIT_E:
         if MASKED:
             ex = tl.load(ebase + offs, mask=mask, other=1.0)
         else:
             ex = tl.load(ebase + offs)
+        br, bri, bp, bpi = _race_keys(p, r, p, br, bri, bp, bpi, t, mask, True, ex, MASKED)
     else:
-        ex = _exp1(_uniform(key, offs))
-    inv_e = 1.0 / ex
-    kr = tl.maximum(p - q, 0.0) * inv_e
-    kp = p * inv_e
-    if MASKED:
-        kr = tl.where(mask, kr, -1.0)
-        kp = tl.where(mask, kp, -1.0)
-    ur = kr > br
-    bri = tl.where(ur, t, bri)
-    br = tl.where(ur, kr, br)
-    up = kp > bp
-    bpi = tl.where(up, t, bpi)
-    bp = tl.where(up, kp, bp)
-    return br, bri, bp, bpi
+        u = _uniform(key, offs)
+        if PRUNE:
+            omu = 1.0 - u  # > 0
+            b_pe = tl.where(b_r > 0, float("inf"), b_p)  # p race still needed only while b_r <= 0
+            cand = (r * 1.001 >= b_r * omu) | (p * 1.001 >= b_pe * omu)  # bound < 0: every lane
+            if MASKED:
+                cand = cand & mask
+            if tl.max(cand.to(tl.int32), axis=0) > 0:
+                br, bri, bp, bpi = _race_keys(u, r, p, br, bri, bp, bpi, t, mask, False, u, MASKED)
+                # publish this program's best keys; the old values returned are other programs'
+                # (all are keys of this request, so valid bounds). Keys >= 0: int32 order of
+                # the float bits is their order; relaxed: a stale bound only prunes less.
+                lr = tl.maximum(tl.max(br, axis=0).to(tl.int32, bitcast=True), 0)
+                lp = tl.maximum(tl.max(bp, axis=0).to(tl.int32, bitcast=True), 0)
+                b_r = tl.maximum(lr, tl.atomic_max(gbr, lr, sem="relaxed")).to(tl.float32, bitcast=True)
+                b_p = tl.maximum(lp, tl.atomic_max(gbp, lp, sem="relaxed")).to(tl.float32, bitcast=True)
+        else:
+            br, bri, bp, bpi = _race_keys(u, r, p, br, bri, bp, bpi, t, mask, False, u, MASKED)
+    return br, bri, bp, bpi, b_r, b_p
 
 
 @triton.jit(do_not_specialize=["ds_s", "stride_o", "NCHUNK"])
@@ -625,13 +680,14 @@ def verify_triton(p, config: LaunchConfig | None = None) -> tuple[torch.Tensor, 
     q_arg = q if has_q else thr
     stride_q = q.stride(0) if has_q else 0
     fbuf = torch.empty((2, R), dtype=torch.float32, device=dev)  # emit-row max, sum-exp
+    gbuf = torch.empty((2, R), dtype=torch.int32, device=dev)  # race bounds (race_prune)
     ibuf = torch.empty((3, R), dtype=torch.int64, device=dev)  # race key, emit row, draft row
     draft = p.draft_ids if p.draft_ids.numel() > 0 else nacc  # never read when T == 0
     _accept_kernel[(R,)](
         logits, logits.stride(0), q_arg, stride_q, draft, nd, *pr_args,
         thr, pm, pz, pi, p.seeds, p.seeds.stride(0), p.offsets, p.offsets.stride(0), ibuf[0],
         p.uniforms if p.uniforms is not None else thr,
-        out, out.stride(0), nacc, fbuf[0], fbuf[1], ibuf[1], ibuf[2], nchunk, L + 1,
+        out, out.stride(0), nacc, fbuf[0], fbuf[1], ibuf[1], ibuf[2], gbuf[0], gbuf[1], nchunk, L + 1,
         HAS_Q=has_q, HAS_THR=has_thr, EXPLICIT_U=p.uniforms is not None,
         NCHUNK_P2=triton.next_power_of_2(nchunk), L_P2=triton.next_power_of_2(L + 1), OFF_B=OFF_BLOCK,
         num_warps=1,
@@ -645,10 +701,10 @@ def verify_triton(p, config: LaunchConfig | None = None) -> tuple[torch.Tensor, 
         _race_kernel[(R, nchunk_r)](
             logits, logits.stride(0), q_arg, stride_q, draft, *pr_args,
             thr, ibuf[1], ibuf[2], fbuf[0], fbuf[1], ibuf[0],
-            ex if ex is not None else thr, ex.stride(0) if ex is not None else 0,
+            ex if ex is not None else thr, ex.stride(0) if ex is not None else 0, gbuf[0], gbuf[1],
             pr[0], pri[0], pr[1], pri[1], V, nchunk_r, tiles_r,
             HAS_Q=has_q, HAS_THR=has_thr, EXPLICIT_E=ex is not None, BLOCK=rblock, STAGES=cfg.race_stages,
-            num_warps=cfg.race_warps,
+            PRUNE=cfg.race_prune and ex is None, num_warps=cfg.race_warps,
         )
         _finalize_kernel[(R,)](
             ds, ds.stride(0), nacc, pr[0], pri[0], pr[1], pri[1], out, out.stride(0), nchunk_r,
