@@ -107,3 +107,68 @@ def test_distribution_triton(pair):
     assert min(pv) > ALPHA, pv
     ref = verify(d, nd, logits, q, backend="torch", **kw)
     assert torch.equal(res.output_tokens, ref.output_tokens)
+
+
+@interp
+def test_launch_configs_identical(monkeypatch):
+    """Non-default LaunchConfigs (many chunks, masked tails, tl.range pipelining, race pruning on
+    and off) give the reference's tokens, through verify_triton(config=...) and set_launch_config."""
+    import functools
+
+    from dspark_hf.verify import triton_kernel as tk
+
+    lens = [3, 0, 2, 5, 1]
+    d, nd, logits, q = make_case(lens, V=300, seed=31, closeness=0.85, dtype=torch.bfloat16)
+    mixed = dict(
+        do_sample=torch.tensor([True, True, False, True, True]),
+        temperature=torch.tensor([1.0, 0.7, 1.0, 1.2, 0.9]),
+        top_k=torch.tensor([0, 40, 0, 0, 7]),
+        top_p=torch.tensor([1.0, 0.9, 1.0, 0.8, 1.0]),
+    )
+    cfgs = [
+        tk.LaunchConfig(stats_block=32, stats_warps=1, stats_programs_per_sm=40, stats_stages=2,
+                        race_block=16, race_warps=2, race_programs_per_sm=7, race_stages=3),
+        tk.LaunchConfig(stats_block=64, stats_programs_per_sm=3, race_block=32, race_programs_per_sm=2,
+                        race_prune=False),
+    ]
+    orig = tk.verify_triton
+    for cfg in cfgs:
+        monkeypatch.setattr(tk, "verify_triton", functools.partial(orig, config=cfg))
+        for draft_q in (q, None):
+            both(d, nd, logits, draft_q, seeds=torch.arange(5) + 40, offsets=2, **mixed)
+        both(d, nd, logits, q, do_sample=False)
+    monkeypatch.setattr(tk, "verify_triton", orig)
+    prev = tk.set_launch_config(cfgs[0])
+    try:
+        both(d, nd, logits, q, seeds=9, top_p=0.95)
+    finally:
+        tk.set_launch_config(prev)
+    assert tk.get_launch_config() == prev
+
+
+@interp
+def test_race_pruning_skips_tiles_exactly(monkeypatch):
+    """The race kernel's pruning (LaunchConfig.race_prune) skips the noise of most tiles and
+    still emits the reference's tokens (the interpreter runs programs one after another, so the
+    bound published by earlier programs prunes later ones)."""
+    from dspark_hf.verify import triton_kernel as tk
+
+    calls = {"tile": 0, "keys": 0}
+
+    def counting(name, fn):
+        def wrapped(*a, **kw):
+            calls[name] += 1
+            return fn(*a, **kw)
+
+        return wrapped
+
+    monkeypatch.setattr(tk, "_race_tile", counting("tile", tk._race_tile))
+    monkeypatch.setattr(tk, "_race_keys", counting("keys", tk._race_keys))
+    d, nd, logits, q = make_case([3, 1, 2, 0], V=2048, seed=5, closeness=0.7, sharp=3.0)
+    prev = tk.set_launch_config(tk.LaunchConfig(race_block=32, race_programs_per_sm=4))
+    try:
+        for draft_q in (q, None):
+            both(d, nd, logits, draft_q, seeds=11)
+    finally:
+        tk.set_launch_config(prev)
+    assert 0 < calls["keys"] < calls["tile"] // 4, calls
