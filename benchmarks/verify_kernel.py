@@ -1,10 +1,15 @@
 """Benchmark of dspark_hf.verify on one GPU: Triton kernel vs torch reference vs a loop over
 rows of transformers' `_speculative_sampling`, plus a device-to-device copy of the logits bytes.
 
-    PYTHONPATH=src python benchmarks/verify_kernel.py [--out benchmarks/results] [--quick]
+    PYTHONPATH=src python benchmarks/verify_kernel.py [--out benchmarks/results] [--quick] [--sweep]
 
 Writes verify_kernel_h200.json and verify_kernel_h200.png (name from --tag). CUDA events,
 warm-up, medians. Also checks on the GPU that Triton and the reference emit identical tokens.
+
+--sweep: first times (CUDA-graph replay, median) a small grid of Triton launch configurations
+(triton_kernel.LaunchConfig: stats kernel, then race kernel) at batch 64 x l 7 and batch 64 x l 1,
+bf16, records every timing under ``launch_sweep``, and runs the correctness check and the main
+grid with the fastest one (``launch_config`` in the JSON; without --sweep: the module default).
 """
 
 from __future__ import annotations
@@ -17,10 +22,13 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import replace
 
 import torch
 
-from dspark_hf.verify import verify
+from dspark_hf.verify import rng, verify
+from dspark_hf.verify import triton_kernel as tk
+from dspark_hf.verify.reference import processed_scores
 
 V = 151_936
 
@@ -41,8 +49,9 @@ def cuda_time(fn, reps: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-def graph_time(fn, reps: int) -> float:
-    """Median ms of replaying fn captured in a CUDA graph (GPU time without Python launch cost)."""
+def graph_time(fn, reps: int, inner: int = 1) -> float:
+    """Median ms of replaying fn captured in a CUDA graph (GPU time without Python launch cost);
+    ``inner`` calls per graph, the time is per call."""
     st = torch.cuda.Stream()
     st.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(st):
@@ -51,8 +60,9 @@ def graph_time(fn, reps: int) -> float:
     torch.cuda.current_stream().wait_stream(st)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        fn()
-    t = cuda_time(g.replay, reps)
+        for _ in range(inner):
+            fn()
+    t = cuda_time(g.replay, reps) / inner
     del g
     return t
 
@@ -89,6 +99,105 @@ def hf_loop_fn(d, logits, q, b, l):
             _speculative_sampling(cand[r : r + 1], logq[r : r + 1], l, lg[r : r + 1].float(), False)
 
     return run
+
+
+SWEEP_SHAPES = [(64, 7), (64, 1)]  # batch, l (bf16 logits, sampling, no filters)
+SWEEP_BUDGET_S = 60.0  # wall-clock cap of the sweep (mostly compilation of new variants)
+
+
+def launch_sweep(reps: int = 20) -> tuple[tk.LaunchConfig, list[dict]]:
+    """Coordinate search over LaunchConfig: stats kernel (block x warps x programs/SM, then
+    pipelining stages of the best), then race kernel likewise with the best stats settings, then
+    race pruning off. Score = sum of the CUDA-graph medians of one verify() call over
+    SWEEP_SHAPES. Returns the fastest configuration and every timing."""
+    inputs = {f"b{b}_l{l}": (make_inputs(b, l, torch.bfloat16), l) for b, l in SWEEP_SHAPES}
+    records: list[dict] = []
+    t0 = time.time()
+
+    def score(cfg: tk.LaunchConfig, phase: str) -> float:
+        rec = dict(phase=phase, config=cfg.as_dict(), times_ms={})
+        if time.time() - t0 > SWEEP_BUDGET_S:
+            rec["skipped"] = "sweep time budget spent"
+            records.append(rec)
+            return float("inf")
+        prev = tk.set_launch_config(cfg)
+        try:
+            for name, ((d, nd, logits, q, seeds), l) in inputs.items():
+                def fn(d=d, nd=nd, logits=logits, q=q, seeds=seeds, l=l):
+                    return verify(d, nd, logits, q, seeds=seeds, max_draft_len=l, backend="triton")
+
+                rec["times_ms"][name] = graph_time(fn, reps, inner=4)
+            rec["score_ms"] = sum(rec["times_ms"].values())
+        except Exception as e:  # noqa: BLE001  (a variant that does not compile / launch)
+            rec["error"] = repr(e)[:300]
+            rec["score_ms"] = float("inf")
+        finally:
+            tk.set_launch_config(prev)
+        rec["elapsed_s"] = round(time.time() - t0, 1)
+        records.append(rec)
+        print("sweep", json.dumps(rec), flush=True)
+        return rec["score_ms"]
+
+    best = tk.LaunchConfig()
+    best_t = score(best, "default")
+    for prefix, blocks in (("stats", (1024, 2048, 4096)), ("race", (512, 1024, 2048))):
+        base = best
+        for block in blocks:
+            for warps in (4, 8):
+                for progs in (4, 8, 16):
+                    cfg = replace(base, **{f"{prefix}_block": block, f"{prefix}_warps": warps,
+                                           f"{prefix}_programs_per_sm": progs, f"{prefix}_stages": 1})
+                    if cfg == best:
+                        continue
+                    t = score(cfg, prefix)
+                    if t < best_t:
+                        best, best_t = cfg, t
+        for stages in (2, 3):
+            cfg = replace(best, **{f"{prefix}_stages": stages})
+            t = score(cfg, f"{prefix}_stages")
+            if t < best_t:
+                best, best_t = cfg, t
+    for prune in (not best.race_prune,):
+        cfg = replace(best, race_prune=prune)
+        t = score(cfg, "race_prune")
+        if t < best_t:
+            best, best_t = cfg, t
+    torch.cuda.empty_cache()
+    return best, records
+
+
+def race_gap(args, kw, seeds, r: int, toks: list[int]) -> dict:
+    """For a request whose emitted token differs between the backends (same num_accepted):
+    float64 race keys of the candidate tokens (residual and plain race) and their relative gap,
+    to tell a float32 near-tie from a real disagreement."""
+    _, nd, logits, q = args
+    nd_c = nd.cpu()
+    n_acc = kw.pop("_n")
+    off = int(nd_c[:r].sum())
+    e_row = off + r + n_acc
+    dev, V_ = logits.device, logits.shape[1]
+
+    def per_req(x, default):
+        if x is None:
+            return default
+        return x[r : r + 1] if isinstance(x, torch.Tensor) else torch.tensor([x], device=dev)
+
+    temp = per_req(kw.get("temperature"), torch.ones(1, device=dev)).float()
+    tk_ = kw.get("top_k")
+    tp_ = kw.get("top_p")
+    s = processed_scores(logits[e_row : e_row + 1], temp,
+                         None if tk_ is None else per_req(tk_, None).long(),
+                         None if tp_ is None else per_req(tp_, None).float())[0].double()
+    pe = torch.softmax(s, -1)
+    qe = q[off + n_acc].double() if (q is not None and n_acc < int(nd_c[r])) else torch.zeros_like(pe)
+    E = rng.residual_exponentials(seeds[r : r + 1], torch.zeros(1, dtype=torch.int64, device=dev), V_)[0].double()
+    kr = (pe - qe).clamp_min(0) / E
+    kp = pe / E
+    out = dict(tokens=toks, key_residual=[float(kr[t]) for t in toks], key_plain=[float(kp[t]) for t in toks],
+               max_residual=float(kr.max()), argmax_residual_f64=int(kr.argmax()))
+    a, b = out["key_residual"]
+    out["relative_gap_residual"] = abs(a - b) / max(a, b, 1e-300)
+    return out
 
 
 def check_gpu_equality() -> list[dict]:
@@ -128,6 +237,14 @@ def check_gpu_equality() -> list[dict]:
             details = [dict(request=int(i), n_ref=int(a.num_accepted[i]), n_triton=int(t.num_accepted[i]),
                             tokens_ref=a.output_tokens[i].tolist(), tokens_triton=t.output_tokens[i].tolist())
                        for i in bad.nonzero().flatten().tolist()[:4]]
+            for det in details:  # same acceptance, different emitted token: how close was the race?
+                if det["n_ref"] == det["n_triton"]:
+                    n_ = det["n_ref"]
+                    try:
+                        det["race"] = race_gap(args, dict(kw, _n=n_), seeds, det["request"],
+                                               [det["tokens_ref"][n_], det["tokens_triton"][n_]])
+                    except Exception as e:  # noqa: BLE001
+                        det["race"] = dict(error=repr(e)[:200])
             out.append(dict(b=b, l=l, dtype=str(c["dtype"]), params=str(c["kw"]), layout=name,
                             identical=bool(mism == 0), mismatched_requests=mism,
                             mean_accepted=float(a.num_accepted.float().mean()), mismatch_details=details))
@@ -170,6 +287,7 @@ def main():
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default="h200")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="time launch configurations first and use the fastest")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     import transformers
@@ -177,6 +295,13 @@ def main():
 
     t_start = time.time()
     torch.backends.cuda.matmul.allow_tf32 = False
+    sweep_records = None
+    if args.sweep:
+        t_sw = time.time()
+        best_cfg, sweep_records = launch_sweep()
+        tk.set_launch_config(best_cfg)
+        print(f"sweep: {time.time() - t_sw:.1f} s, chosen", json.dumps(best_cfg.as_dict()), flush=True)
+    launch_config = tk.get_launch_config().as_dict()
     try:
         correctness = check_gpu_equality()
     except Exception as e:  # record, keep measuring
@@ -272,6 +397,13 @@ def main():
                    speedup_ge_5x_at_b64_cuda_graph=bool(speed_g) and all(v >= 5 for v in speed_g.values()),
                    within_2x_of_read_once_at_b64_eager=all(v >= 0.5 for v in frac.values()),
                    within_2x_of_read_once_at_b64_cuda_graph=bool(frac_g) and all(v >= 0.5 for v in frac_g.values())),
+        launch_config=launch_config,
+        launch_sweep=None if sweep_records is None else dict(
+            definition="coordinate search over triton_kernel.LaunchConfig (stats kernel, then race kernel, then race "
+                       "pruning); times_ms = CUDA-graph replay median of one verify() call (4 calls per graph) at "
+                       + ", ".join(f"b{b}_l{l}" for b, l in SWEEP_SHAPES) + " (bf16, sampling); score_ms = their sum; "
+                       "the lowest score is launch_config",
+            shapes=[dict(batch=b, l=l, dtype="bfloat16") for b, l in SWEEP_SHAPES], records=sweep_records),
         gpu_correctness_triton_vs_reference=correctness,
         extra_b64=extra,
         kernel_breakdown_us_b64_l7_bf16=breakdown,
