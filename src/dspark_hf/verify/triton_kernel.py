@@ -5,19 +5,23 @@ Launches (all asynchronous, no host synchronisation, no torch kernels in between
 1. ``_filter_kernel`` (only when top_k / top_p is given), one program per target row: an
    exact 16-way radix search over order-preserving float32 keys finds the top-k value and
    then the top-p threshold (8 passes each; rows without an active filter exit at once).
-2. ``_stats_kernel``, grid (requests, l + 1, vocab chunks): online softmax statistics of the
-   processed logits per chunk (per-lane running max / sum-exp / first argmax, one exp per
-   element; unmasked full tiles, one masked tail tile).
+2. ``_stats_kernel``, grid (requests, l + 1, vocab chunks): per chunk, for sampling rows the
+   online softmax statistics of the processed logits (per-lane running max / sum-exp, one exp per
+   element), for greedy rows the max and first argmax (no exp); unmasked full tiles, one masked
+   tail tile.
 3. ``_accept_kernel``, one program per request: merges the chunk statistics of all l_r + 1
    rows at once (an ``[L_P2, NCHUNK_P2]`` block), evaluates every acceptance test in parallel
    (counter-based uniforms) and takes the first rejection with a min-reduction; writes accepted
    drafts + padding, the greedy emitted token, and the emit row / draft row for the race.
 4. ``_race_kernel``, grid (requests, vocab chunks): at the emit row only, the exponential race
    ``argmax max(p - q, 0) / E`` and ``argmax p / E`` with E drawn in-kernel (never stored).
+   With ``LaunchConfig.race_prune``, tiles in which no lane can reach a key already computed for
+   the request (bounds shared through an atomic max) skip E's log/series and divisions (exact).
 5. ``_finalize_kernel``, one program per request: merges the race partials, writes the token.
 
-Every kernel computes its request's flat offset ``sum(num_drafts[:r])`` itself (a masked sum
-over ``num_drafts``, ``OFF_BLOCK`` entries at a time), so no cumsum runs on the Triton path.
+Kernels 1-3 compute a request's flat offset ``sum(num_drafts[:r])`` themselves (a masked sum
+over ``num_drafts``, ``OFF_BLOCK`` entries at a time; 4 gets the emit row from 3), so no cumsum
+runs on the Triton path.
 
 Launch shape of the two streaming kernels (2 and 4): :class:`LaunchConfig` (BLOCK, num_warps,
 programs aimed for per SM, software-pipelining stages of the tile loop); the module default
@@ -621,6 +625,11 @@ def _chunking(n_programs_rows: int, V: int, block: int, target: int) -> tuple[in
     return triton.cdiv(n_tiles, tiles), tiles
 
 
+def _bucket(n: int, least: int = 8) -> int:
+    """Constexpr width for n items: a power of two, at least ``least`` (fewer variants)."""
+    return max(least, triton.next_power_of_2(n))
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -679,9 +688,11 @@ def verify_triton(p, config: LaunchConfig | None = None) -> tuple[torch.Tensor, 
     has_q = q is not None
     q_arg = q if has_q else thr
     stride_q = q.stride(0) if has_q else 0
-    fbuf = torch.empty((2, R), dtype=torch.float32, device=dev)  # emit-row max, sum-exp
-    gbuf = torch.empty((2, R), dtype=torch.int32, device=dev)  # race bounds (race_prune)
-    ibuf = torch.empty((3, R), dtype=torch.int64, device=dev)  # race key, emit row, draft row
+    # rows padded to 16 bytes: the pointers' alignment (a specialisation) does not depend on R
+    rp = (R + 3) // 4 * 4
+    fbuf = torch.empty((2, rp), dtype=torch.float32, device=dev)  # emit-row max, sum-exp
+    gbuf = torch.empty((2, rp), dtype=torch.int32, device=dev)  # race bounds (race_prune)
+    ibuf = torch.empty((3, rp), dtype=torch.int64, device=dev)  # race key, emit row, draft row
     draft = p.draft_ids if p.draft_ids.numel() > 0 else nacc  # never read when T == 0
     _accept_kernel[(R,)](
         logits, logits.stride(0), q_arg, stride_q, draft, nd, *pr_args,
@@ -689,14 +700,15 @@ def verify_triton(p, config: LaunchConfig | None = None) -> tuple[torch.Tensor, 
         p.uniforms if p.uniforms is not None else thr,
         out, out.stride(0), nacc, fbuf[0], fbuf[1], ibuf[1], ibuf[2], gbuf[0], gbuf[1], nchunk, L + 1,
         HAS_Q=has_q, HAS_THR=has_thr, EXPLICIT_U=p.uniforms is not None,
-        NCHUNK_P2=triton.next_power_of_2(nchunk), L_P2=triton.next_power_of_2(L + 1), OFF_B=OFF_BLOCK,
+        NCHUNK_P2=_bucket(nchunk), L_P2=_bucket(L + 1), OFF_B=OFF_BLOCK,
         num_warps=1,
     )
     if p.any_sample:
         rblock = min(cfg.race_block, v_p2)
         nchunk_r, tiles_r = _chunking(R, V, rblock, cfg.race_programs_per_sm * sms)
-        pr = torch.empty((2, R, nchunk_r), dtype=torch.float32, device=dev)
-        pri = torch.empty((2, R, nchunk_r), dtype=torch.int32, device=dev)
+        rc = (R * nchunk_r + 3) // 4 * 4
+        pr = torch.empty((2, rc), dtype=torch.float32, device=dev)
+        pri = torch.empty((2, rc), dtype=torch.int32, device=dev)
         ex = p.exponentials
         _race_kernel[(R, nchunk_r)](
             logits, logits.stride(0), q_arg, stride_q, draft, *pr_args,
@@ -708,6 +720,6 @@ def verify_triton(p, config: LaunchConfig | None = None) -> tuple[torch.Tensor, 
         )
         _finalize_kernel[(R,)](
             ds, ds.stride(0), nacc, pr[0], pri[0], pr[1], pri[1], out, out.stride(0), nchunk_r,
-            NCHUNK_P2=triton.next_power_of_2(nchunk_r), num_warps=1,
+            NCHUNK_P2=_bucket(nchunk_r, 32), num_warps=1,
         )
     return nacc, out
