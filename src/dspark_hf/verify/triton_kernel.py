@@ -188,8 +188,9 @@ def _filter_kernel(
 ):
     req = tl.program_id(0)
     j = tl.program_id(1)
+    off = _offset_of(nd_ptr, req, OFF_B)  # issued together with the length load below
     if j <= tl.load(nd_ptr + req):
-        row = _offset_of(nd_ptr, req, OFF_B) + req + j
+        row = off + req + j
         _filter_row(logits_ptr, stride_l, row, req, ds_ptr, ds_s, temp_ptr, temp_s, topk_ptr, topk_s,
                     topp_ptr, topp_s, thr_ptr, V, HAS_K, HAS_P, BLOCK)
 
@@ -246,8 +247,9 @@ def _stats_kernel(
     req = tl.program_id(0)
     j = tl.program_id(1)
     chunk = tl.program_id(2)
+    off = _offset_of(nd_ptr, req, OFF_B)  # issued together with the length load below
     if j <= tl.load(nd_ptr + req):
-        row = _offset_of(nd_ptr, req, OFF_B) + req + j
+        row = off + req + j
         _stats_row(logits_ptr, stride_l, row, req, chunk, ds_ptr, ds_s, temp_ptr, temp_s, thr_ptr,
                    pm_ptr, pz_ptr, pi_ptr, V, NCHUNK, TILES, HAS_THR, BLOCK, STAGES, FAST_EXP)
 
