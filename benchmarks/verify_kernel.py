@@ -130,13 +130,13 @@ def launch_sweep(reps: int = 20) -> tuple[tk.LaunchConfig, list[dict]]:
             rec["score_ms"] = sum(rec["times_ms"].values())
         except Exception as e:  # noqa: BLE001  (a variant that does not compile / launch)
             rec["error"] = repr(e)[:300]
-            rec["score_ms"] = float("inf")
+            rec["score_ms"] = None
         finally:
             tk.set_launch_config(prev)
         rec["elapsed_s"] = round(time.time() - t0, 1)
         records.append(rec)
         print("sweep", json.dumps(rec), flush=True)
-        return rec["score_ms"]
+        return rec["score_ms"] if rec["score_ms"] is not None else float("inf")
 
     best = tk.LaunchConfig()
     best_t = score(best, "default")
