@@ -66,6 +66,17 @@ def test_bursty_acceptance_does_not_stop_drafting_that_pays_on_average():
     assert kinds[50:].count(True) >= 0.85 * len(kinds[50:])
 
 
+def test_a_slow_first_speculative_round_is_outvoted_within_a_few_rounds():
+    guard = SpeculationGuard()
+    kinds = []
+    for round_index in range(60):
+        drafted = guard.should_draft(1)
+        kinds.append(drafted)
+        first = drafted and not any(kinds[:-1])
+        guard.record(1, drafted, (100.0 if first else 2.0) if drafted else 1.0, 4 if drafted else 1)  # compiled once
+    assert kinds.index(True, 1) <= 17 and kinds[20:].count(False) <= 3  # then only probes of plain rounds
+
+
 def test_one_stall_does_not_flip_the_decision():
     guard = SpeculationGuard(probe_every=100, window=5)
     drive(guard, 6, batch=1, spec_cost=0.5, plain_cost=1.0)

@@ -10,7 +10,8 @@ acceptance comes in bursts that follow the text (a few rounds that accept nothin
 It runs the cheaper kind and re-measures the other every `probe_every` rounds, so that it follows load and
 sequence-length changes. Once the losing kind has `settle_samples` measurements, a probe that confirms the winner
 doubles that bucket's interval (up to `max_probe_every`), so a settled decision costs ever fewer losing rounds; a
-probe cheaper than the winner resets it, so that a real change is confirmed within a few rounds.
+probe cheaper than the winner is repeated in the next round and resets the interval, so that a real change (or a
+first measurement inflated by compilation) is corrected within a few rounds.
 """
 
 from __future__ import annotations
@@ -79,8 +80,8 @@ class SpeculationGuard:
         winner = self._winner.get(key)
         if winner is not None and drafted != winner:
             winner_cost = self._cost(key, winner)
-            if winner_cost is not None and seconds / tokens < winner_cost:  # a probe beat the winner: look again soon
-                self._interval[key] = self.probe_every
+            if winner_cost is not None and seconds / tokens < winner_cost:  # a probe beat the winner: repeat it now
+                self._interval[key], self._since_probe[key] = self.probe_every, self.probe_every - 1
         self._seconds[key][drafted].append(seconds)
         self._tokens[key][drafted].append(tokens)
 
