@@ -21,8 +21,8 @@ floor is the target's weight bytes over the device's measured copy bandwidth (2 
 and for the fixture `tau` and `speedup_over_fast_plain` (`dspark_static_compiled` tokens/s over the faster of
 `plain_eager` and `plain_static_compile`). Not measured here yet: batch 64, prompt lookup, transformers' assisted
 generation with the 10M assistant, and the DFlash path. `matched_plain`: the share of `plain_eager`'s tokens a method
-reproduced before its first difference (bf16 kernels round differently; where plain decoding would emit eos,
-`min_new_tokens` suppresses it in the generate() methods but not in `static_generate`, which runs with eos off).
+reproduced before its first difference (bf16 kernels round differently). The fixture's prompt is the first HumanEval
+prompt whose plain greedy continuation has no eos within `--new-tokens` (`static_generate` runs with eos off).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ SHAPES = {
 }
 
 
-def models(name: str, dtype: torch.dtype, device: str):
+def models(name: str, dtype: torch.dtype, device: str, new_tokens: int = 128):
     """(target, drafter, prompt [1, L]) for the fixture or a random shape (random 5-layer DSpark drafter)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
 
@@ -61,8 +61,8 @@ def models(name: str, dtype: torch.dtype, device: str):
         target = load_target(name, dtype, device).eval()
         drafter = dspark_hf.DSparkDraftModel.from_pretrained(REPO / "drafters" / "code50m-dspark", dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(target.config._name_or_path)
-        prompt = tokenizer(humaneval_prompts(1)[0], return_tensors="pt")["input_ids"]
-        return target, drafter.to(device).eval(), prompt.to(device)
+        prompt = first_prompt_without_eos(target, tokenizer, humaneval_prompts(40), new_tokens)
+        return target, drafter.to(device).eval(), prompt
     torch.manual_seed(0)
     config = Qwen3Config(**SHAPES[name], max_position_embeddings=4096, eos_token_id=None)
     with torch.device(device):
@@ -73,6 +73,21 @@ def models(name: str, dtype: torch.dtype, device: str):
     prompt = torch.randint(4, config.vocab_size - 1, (1, 16 if name == "smoke" else 128),
                            generator=torch.Generator().manual_seed(0))
     return target, drafter, prompt.to(device)
+
+
+def first_prompt_without_eos(target, tokenizer, texts: list[str], new_tokens: int) -> torch.Tensor:
+    """The first prompt whose plain greedy continuation has no eos within `new_tokens`: every method then decodes
+    the same text (`static_generate` runs with eos off, while `min_new_tokens` would make generate() suppress an
+    eos that plain decoding wants; on the fixture's first HumanEval prompt that is the very first token)."""
+    eos = target.generation_config.eos_token_id
+    eos = set([eos] if isinstance(eos, int) else eos or [])
+    for text in texts:
+        prompt = tokenizer(text, return_tensors="pt")["input_ids"].to(target.device)
+        with torch.no_grad():
+            continuation = target.generate(prompt, max_new_tokens=new_tokens, do_sample=False)[0, prompt.shape[1]:]
+        if continuation.numel() == new_tokens and not eos & set(continuation.tolist()):
+            return prompt
+    raise RuntimeError(f"every prompt's greedy continuation reaches eos within {new_tokens} tokens")
 
 
 def copy_bandwidth(device: torch.device) -> float | None:
@@ -182,7 +197,7 @@ def main() -> None:
         args.new_tokens = min(args.new_tokens, 16)
     out = Path(args.out) if args.out else (Path(tempfile.mkdtemp(prefix="round-speed-")) / "round_speed_smoke.json"
                                            if args.model == "smoke" else RESULTS / "round_speed_h200.json")
-    target, drafter, prompt = models(args.model, dtype, args.device)
+    target, drafter, prompt = models(args.model, dtype, args.device, args.new_tokens)
     bandwidth = copy_bandwidth(target.device)
     weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
     entry = dict(environment=environment(), dtype=str(dtype).removeprefix("torch."), prompt_tokens=prompt.shape[1],
