@@ -13,6 +13,8 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogit
 
 import dspark_hf  # noqa: F401
 from dspark_hf.generation import static_generate
+from dspark_hf.generation.static_loop import StaticVerifier
+from dspark_hf.models import TargetLayerTap
 
 VOCAB_SIZE, EOS = 48, 2
 
@@ -78,15 +80,34 @@ def test_compiled_verify_forward_is_one_graph_with_the_same_tokens(target):
     assert len(compilations) == 1
 
 
+def test_features_come_from_the_tap_so_a_drafter_may_tap_the_last_layer(target):
+    """The raw output of the last decoder layer (transformers' `output_hidden_states` gives it after the final norm),
+    eager and traced into one compiled graph."""
+    last = target.config.num_hidden_layers - 1
+    drafter = tiny_drafter(target, block_size=5, seed=3, target_layer_ids=(0, last))
+    ids = torch.tensor([[5, 9, 11, 4]])
+    verifier = StaticVerifier(target, [0, last], 16)
+    _, features = verifier.prefill(ids)
+    with TargetLayerTap(target, [0, last]) as tap:
+        target(ids)
+        expected = tap.features()
+    torch.testing.assert_close(features, expected)
+    assert not torch.allclose(features[..., -target.config.hidden_size:],
+                              target(ids, output_hidden_states=True).hidden_states[-1])  # not the normed state
+    compilations = []
+    torch._dynamo.reset()
+    options = dict(backend=lambda graph, inputs: compilations.append(graph) or graph.forward, fullgraph=True)
+    for compile in (False, options):
+        assert torch.equal(static_generate(target, drafter, ids, 30, compile=compile), plain(target, ids, 30))
+    assert len(compilations) == 1
+
+
 def test_refusals(target):
     good = drafters(target)["good"]
     with pytest.raises(ValueError, match="one prompt"):
         static_generate(target, good, torch.tensor([[5, 6], [7, 8]]), 4)
     with pytest.raises(ValueError, match="max_new_tokens"):
         static_generate(target, good, torch.tensor([[5, 6]]), 0)
-    last = tiny_drafter(target, target_layer_ids=(0, target.config.num_hidden_layers - 1))
-    with pytest.raises(ValueError, match="last layer"):
-        static_generate(target, last, torch.tensor([[5, 6]]), 4)
 
 
 @pytest.fixture(scope="module")
