@@ -1,6 +1,8 @@
 """benchmarks/round_speed.py on tiny float32 models (CPU): every method runs, and every one reproduces plain
-decoding token for token (the GPU run reports the same `matched_plain` in bf16)."""
+decoding token for token (the GPU run reports the same `matched_plain` in bf16), at batch 1 and at a small batch.
+The fixture's methods (the 10M assistant, HumanEval prompts in a left-padded batch) need ../shared."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -8,12 +10,83 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 round_speed = pytest.importorskip("round_speed")
+torch = round_speed.torch
+
+BATCH_1 = {"plain_eager", "plain_static_compile", "dspark_generate", "dspark_static", "dspark_static_compiled",
+           "prompt_lookup"}
+BATCHED = {"plain_eager", "plain_static_compile", "dspark_engine", "engine_no_spec"}
+needs_fixtures = pytest.mark.skipif(not (round_speed.REPO.parent / "shared" / "fixtures").is_dir(),
+                                    reason="needs ../shared/fixtures (the 50M code fixture and its 10M assistant)")
 
 
-def test_every_method_runs_and_matches_plain_decoding():
-    target, drafter, prompt = round_speed.models("smoke", round_speed.torch.float32, "cpu")
+@pytest.fixture(scope="module")
+def smoke():
+    return round_speed.models("smoke", torch.float32, "cpu")
+
+
+def test_every_method_runs_and_matches_plain_decoding(smoke):
+    target, drafter, prompt = smoke
     rows = round_speed.measure(target, drafter, prompt, new_tokens=12)
-    assert set(rows) == {"plain_eager", "plain_static_compile", "dspark_generate", "dspark_static",
-                         "dspark_static_compiled"}
+    assert set(rows) == BATCH_1
     assert all(row["matched_plain"] == 1.0 and row["tokens_per_second"] > 0 for row in rows.values())
     assert all(rows[name]["rounds"] > 0 for name in rows if name.startswith("dspark"))
+    lookup = rows["prompt_lookup"]  # τ from the target's forward count: at least one token per forward
+    assert 1 <= lookup["rounds"] <= 12 and lookup["tau"] == pytest.approx(12 / lookup["rounds"])
+
+
+def test_batched_methods_run_and_match_plain_decoding(smoke):
+    target, drafter, prompt = smoke
+    prompts = round_speed.batch_prompts("smoke", target, prompt, batch=4, new_tokens=10)
+    rows = round_speed.measure_batch(target, drafter, prompts, new_tokens=10)
+    assert set(rows) == BATCHED
+    for row in rows.values():
+        assert row["matched_plain_min"] == 1.0 and row["generated_tokens"] == 4 * 10 and row["tokens_per_second"] > 0
+    assert rows["dspark_engine"]["rounds"] > 0 and rows["dspark_engine"]["tau"] >= 1
+    assert rows["engine_no_spec"]["tau"] == 1.0
+
+
+def test_left_padded_rows_of_different_lengths_match_plain_decoding(smoke):
+    target, drafter, prompt = smoke
+    ids = prompt[0].tolist()
+    prompts = [ids, ids[5:], ids[2:] + ids[:3], ids[9:]]
+    rows = round_speed.measure_batch(target, drafter, prompts, new_tokens=8)
+    assert all(row["matched_plain_min"] == 1.0 for row in rows.values())
+
+
+def test_not_measured_names_a_reason_for_every_skipped_method():
+    for name in ("smoke", "code50m"):
+        skipped = round_speed.not_measured(name, 1)
+        assert "dflash_native" in skipped and "plain_fast_path" in skipped
+        assert ("assisted_10m" in skipped) == (name != "code50m")
+        batched = round_speed.not_measured(name, 64)
+        assert {"dspark_static", "dspark_static_compiled", "prompt_lookup", "assisted_10m"} <= set(batched)
+        assert all(isinstance(reason, str) and reason for reason in (*skipped.values(), *batched.values()))
+
+
+def test_smoke_run_writes_batch_1_and_batch_4(tmp_path, monkeypatch):
+    out = tmp_path / "round_speed.json"
+    monkeypatch.setattr(sys, "argv", ["round_speed.py", "--model", "smoke", "--device", "cpu", "--new-tokens", "6",
+                                      "--batch", "1,4", "--out", str(out)])
+    round_speed.main()
+    entry = json.loads(out.read_text())["models"]["smoke"]
+    assert set(entry["methods"]) == BATCH_1 and set(entry["batch_4"]["methods"]) == BATCHED
+    assert entry["batch_4"]["batch"] == 4 and "not_measured" in entry and "not_measured" in entry["batch_4"]
+    monkeypatch.setattr(sys, "argv", ["round_speed.py", "--model", "smoke", "--device", "cpu", "--new-tokens", "6",
+                                      "--out", str(out)])
+    round_speed.main()  # a batch-1 run keeps the batch-4 entry
+    assert "batch_4" in json.loads(out.read_text())["models"]["smoke"]
+    assert out.with_suffix(".png").exists()
+
+
+@needs_fixtures
+def test_fixture_assistant_and_batched_prompts_match_plain_decoding():
+    target, drafter, prompt = round_speed.models("code50m", torch.float32, "cpu", new_tokens=4)
+    assistant = round_speed.assistant_model("code50m", torch.float32, "cpu")
+    rows = round_speed.measure(target, drafter, prompt, new_tokens=4, assistant=assistant)
+    assert set(rows) == BATCH_1 | {"assisted_10m"}
+    assert all(row["matched_plain"] == 1.0 for row in rows.values())
+    assert rows["assisted_10m"]["rounds"] >= 1 and rows["assisted_10m"]["assistant"]["parameters"] > 0
+    prompts = round_speed.batch_prompts("code50m", target, prompt, batch=2, new_tokens=4)
+    assert len(prompts) == 2 and len(set(map(tuple, prompts))) == 2
+    rows = round_speed.measure_batch(target, drafter, prompts, new_tokens=4)
+    assert all(row["matched_plain_min"] == 1.0 for row in rows.values())
