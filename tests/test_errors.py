@@ -54,6 +54,7 @@ def test_drafter_that_does_not_fit_the_target(counted_target, overrides, message
         (dict(num_beams=2), "beam"),
         (dict(num_return_sequences=2, do_sample=True), "num_return_sequences"),
         (dict(assistant_ensemble_weight=0.5), "lossy"),
+        (dict(speculation_type="dflash"), "speculation_type"),  # transformers' DFlash path, not ours
     ],
 )
 def test_generation_modes_dspark_cannot_serve(counted_target, kwargs, message):

@@ -71,7 +71,7 @@ def _validate_dspark_generation(target, generation_mode, generation_config, draf
         raise ValueError("DSpark generation returns one sequence per prompt: set num_return_sequences=1.")
     if generation_config.assistant_ensemble_weight is not None:
         raise ValueError("assistant_ensemble_weight makes speculative decoding lossy; DSpark refuses it.")
-    for flag in ("prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp"):
+    for flag in ("prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp", "speculation_type"):
         if getattr(generation_config, flag, None):
             raise ValueError(f"{flag} selects another drafting method; it cannot be combined with a DSpark drafter.")
     check_drafter_fits_target(drafter.config, target)
