@@ -47,8 +47,7 @@ Not measured, with the reason also in each entry's `not_measured` (method -> rea
   `last_hidden_state[:, 1:]` through the target's head (mask slot j drafts anchor + j, z-lab's layout); in
   transformers 5.17 only `MuseGlimmerAssistantModel` has that interface. Checked on the CPU with the fixture: (a) with
   dspark_hf's hook installed (importing dspark_hf installs it), `generate(assistant_model=<DSparkDraftModel>,
-  speculation_type="dflash")` never reaches that generator: dspark_hf's own candidate generator runs instead (so it
-  would time `dspark_generate` with the DFlash drafter under another name); (b) with the hook bypassed, the drafter
+  speculation_type="dflash")` is refused (one drafting method per call); (b) with the hook bypassed, the drafter
   fails in its forward (`DSparkDraftModel.forward` takes `input_ids` / `target_hidden_states`:
   `embed_tokens(None)` raises a TypeError); (c) no dspark_hf export loads as a DFlash assistant: `to="zlab"`
   refuses this drafter (`block_layout="deepspec"`: slot i drafts anchor + i + 1), and `to="deepspec"` writes
@@ -103,7 +102,7 @@ DFLASH_NATIVE = (
     "transformers' DFlash path (speculation_type='dflash') needs an assistant with MuseGlimmerAssistantModel's "
     "interface (noise_embeds / context_hidden_states forward, DFlashCache, taps as hidden_states[i], z-lab block "
     "layout: mask slot j drafts anchor + j). drafters/code50m-dflash is a DSparkDraftModel in DeepSpec's layout: "
-    "with dspark_hf's hook the call silently runs dspark_hf's own generator (= dspark_generate), without it the "
+    "with dspark_hf's hook the call is refused (one drafting method per call), without it the "
     "drafter's forward raises (embed_tokens(None)); no dspark_hf export loads as such an assistant (to='zlab' refuses "
     "deepspec-layout drafters, to='deepspec' loads as a plain Qwen3Model). See the module docstring.")
 NO_PLAIN_FAST_PATH = ("plain decoding on our static-cache loop: static_generate needs a drafter (no drafter-free "
