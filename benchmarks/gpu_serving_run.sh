@@ -4,9 +4,10 @@
 #     bash benchmarks/gpu_serving_run.sh [benchmarks/serving.py arguments]
 # One model's policies can be split over several calls; results accumulate in benchmarks/results/serving_h200.json,
 # so copy $OUT's files into benchmarks/results/ between calls (the next call carries them in the working tree).
-# Runs of 2026-11-29 (each under 7 minutes):
-#     --model code50m --max-new-tokens 64 --breakdown-at 1 16 256     (records the acceptance trace)
-#     --model qwen3-4b-shape --max-new-tokens 32 --breakdown-at 1 64   (replays it; timing only)
+# The 2026-11-30 code50m run (230-300 s): --model code50m --max-new-tokens 64 --repeats 1 --requests-per-slot 2
+#     --breakdown-at --no-paged (records the acceptance trace; equal request lengths, before --length-spread existed).
+# Next: the same with the default --length-spread 0.5 and --repeats 2, then
+#     --model qwen3-4b-shape --max-new-tokens 32 --repeats 1 --requests-per-slot 2   (replays the trace; timing only)
 set -uo pipefail
 export PYTHONPATH=${DSPARK_SRC:-src}
 if [ ! -d ../shared/fixtures/code-llama-50m ]; then

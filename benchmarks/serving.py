@@ -23,6 +23,9 @@ Protocol (closed loop, c clients): for each concurrency c and policy, `--request
 `max_batch_size=c`, so a finished request's slot is refilled from the queue, as in a server under a steady load of c
 requests, until the queue runs dry. (With only c requests, speculation would be measured mostly on its tail: rows
 finish at different rounds and the last rounds run a nearly empty batch, while plain rows all finish together.)
+Request lengths are drawn uniformly from `--max-new-tokens` × (1 ± `--length-spread`), the same draw for every
+policy: with equal lengths, plain rows would also finish in lockstep and be refilled by one prefill per wave, where
+speculative rows (and any real workload) need many small ones.
 A short warm-up run (8 tokens, same concurrency and policy) precedes the timed runs. All policies run at one
 concurrency before the next concurrency starts, `--repeats` times in turn, so that a drift over the run affects every
 policy alike; a cell reports the run with the median tokens/s (the upper one for an even count; all runs' tokens/s
@@ -218,10 +221,20 @@ def make_engine(target, drafter, concurrency: int, setting: dict, sps_table, **o
                         seed=0, **kwargs)
 
 
+def request_lengths(count: int, args) -> list[int]:
+    """Each request's exact number of new tokens: `--max-new-tokens` spread uniformly by ± `--length-spread` (the
+    same lengths for every policy at one concurrency)."""
+    if args.length_spread <= 0:
+        return [args.max_new_tokens] * count
+    low = max(1, round(args.max_new_tokens * (1 - args.length_spread)))
+    high = max(low, round(args.max_new_tokens * (1 + args.length_spread)))
+    return torch.randint(low, high + 1, (count,), generator=torch.Generator().manual_seed(count)).tolist()
+
+
 def drive(engine: DSparkEngine, prompts, concurrency: int, args) -> tuple[list, float]:
-    count = concurrency * args.requests_per_slot
-    handles = [engine.add_request(prompts[i % len(prompts)], max_tokens=args.max_new_tokens, temperature=0.0,
-                                  ignore_eos=True) for i in range(count)]
+    lengths = request_lengths(concurrency * args.requests_per_slot, args)
+    handles = [engine.add_request(prompts[i % len(prompts)], max_tokens=n, temperature=0.0, ignore_eos=True)
+               for i, n in enumerate(lengths)]
     synchronize(engine.target.device)
     start = time.perf_counter()
     engine.run()
@@ -276,8 +289,8 @@ def run_paged(target, prompts, concurrency: int, args) -> dict:
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     count = concurrency * args.requests_per_slot
-    inputs = [prompts[i % len(prompts)] for i in range(count)]
-    config = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    inputs, lengths = [prompts[i % len(prompts)] for i in range(count)], request_lengths(count, args)
+    config = GenerationConfig(max_new_tokens=max(lengths), do_sample=False, eos_token_id=-1, pad_token_id=0)
     batching = ContinuousBatchingConfig(max_requests_per_batch=concurrency, use_cuda_graph=False)
     manager = target.init_continuous_batching(config, batching)
     manager.start()
@@ -298,13 +311,13 @@ def run_paged(target, prompts, concurrency: int, args) -> dict:
         complete(manager.add_requests(inputs[:concurrency], max_new_tokens=4))  # warm-up
         synchronize(target.device)
         start = time.perf_counter()
-        tokens = complete(manager.add_requests(inputs, max_new_tokens=args.max_new_tokens))
+        tokens = complete([manager.add_request(ids, max_new_tokens=n) for ids, n in zip(inputs, lengths)])
         synchronize(target.device)
         seconds = time.perf_counter() - start
     finally:
         manager.stop(block=True, timeout=30)
-    if tokens < count * args.max_new_tokens:
-        raise RuntimeError(f"continuous batching returned {tokens} of {count * args.max_new_tokens} tokens")
+    if tokens < sum(lengths):
+        raise RuntimeError(f"continuous batching returned {tokens} of {sum(lengths)} tokens")
     return dict(concurrency=concurrency, requests=count, generated_tokens=tokens, seconds=seconds,
                 tokens_per_second=tokens / seconds)
 
@@ -396,6 +409,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY))
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--requests-per-slot", type=int, default=4, help="requests queued per unit of concurrency")
+    parser.add_argument("--length-spread", type=float, default=0.5,
+                        help="request lengths uniform in max-new-tokens × (1 ± spread); 0: all equal")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per cell, interleaved over the policies")
     parser.add_argument("--threshold", type=float, default=0.5, help="static-threshold policy's confidence threshold")
     parser.add_argument("--policies", nargs="*", help="subset of: no_spec fixed_1 fixed_3 fixed_7 static_threshold "
@@ -436,6 +451,7 @@ def main() -> None:
             settings=dict(dtype="float32" if args.model == "smoke" else args.dtype, max_new_tokens=args.max_new_tokens,
                           temperature=0.0, ignore_eos=True, threshold=args.threshold, concurrency=args.concurrency,
                           requests_per_slot=args.requests_per_slot, repeats=args.repeats,
+                          length_spread=args.length_spread,
                           prompts="random ids" if args.model == "smoke" else "HumanEval (code50m tokenizer)",
                           acceptance="replayed from serving_trace_code50m.json (timing only)" if trace is not None
                           else "real", sps_table=sps_table.to_dict()),

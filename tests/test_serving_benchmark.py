@@ -11,7 +11,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 serving = pytest.importorskip("serving")
 
-ARGS = argparse.Namespace(max_new_tokens=16, requests_per_slot=2)
+ARGS = argparse.Namespace(max_new_tokens=16, requests_per_slot=2, length_spread=0.5)
 FIXED = dict(policy="fixed", gamma=7)
 
 
@@ -44,7 +44,8 @@ def test_replay_sets_acceptance(models, accepted, low, high):
     trace = trace_accepting(accepted, prompts)
     cell = serving.run_cell(target, drafter, prompts, 2, FIXED, ARGS, None, trace=trace)
     assert low <= cell["tau"] <= high
-    assert cell["generated_tokens"] == cell["requests"] * ARGS.max_new_tokens
+    lengths = serving.request_lengths(cell["requests"], ARGS)
+    assert cell["generated_tokens"] == sum(lengths) and len(set(lengths)) > 1  # every request got its own length
 
 
 @torch.inference_mode()
