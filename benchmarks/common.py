@@ -47,12 +47,6 @@ def materialize_fixture(name: str, dtype: str = "float32") -> Path:
     return out
 
 
-def synchronize(device: torch.device) -> None:
-    """Waits for `device`'s queued work (a no-op off CUDA), so that wall-clock timings cover it."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def humaneval_prompts(count: int) -> list[str]:
     with gzip.open(SHARED / "data" / "humaneval" / "HumanEval.jsonl.gz", "rt") as handle:
         return [json.loads(line)["prompt"] for line, _ in zip(handle, range(count))]

@@ -32,10 +32,10 @@ policy alike; a cell reports the run with the median tokens/s (the upper one for
 are kept). tokens/s = generated tokens / wall-clock seconds; `steady_tokens_per_second` counts only the rounds that
 ran all c slots (admission prefills included), i.e. without the ramp-down after the queue ran dry. Each timed run
 is a fresh engine, but the hardware-aware policy's speculation guard lives for the whole benchmark, as in a
-long-running server: what it measured at the warm-up and earlier runs carries over (per batch-size bucket). The SPS table of the hardware-aware policy is profiled in the same run.
-`hf_paged` is transformers' own continuous batching (paged attention, no speculation, CUDA graphs off like ours) on
-the same requests: the padded-vs-paged comparison of docs/serving.md. The summary ratios are minima over every model and
-concurrency: `scheduler_vs_best_static_min_ratio` (hardware-aware / best of fixed γ ∈ {1,3,7} and static
+long-running server: what it measured at the warm-up and earlier runs carries over (per batch-size bucket). The SPS
+table of the hardware-aware policy is profiled in the same run. `hf_paged` is transformers' own continuous batching
+(paged attention, no speculation, CUDA graphs off like ours) on the same requests: the padded-vs-paged comparison of
+docs/serving.md. The summary ratios are minima over every model and concurrency: `scheduler_vs_best_static_min_ratio` (hardware-aware / best of fixed γ ∈ {1,3,7} and static
 threshold) and `scheduler_vs_nospec_min_ratio` (hardware-aware / no speculation); the `steady_` keys are the same
 from `steady_tokens_per_second`.
 """
@@ -56,9 +56,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import REPO, RESULTS, environment, humaneval_prompts, load_target, synchronize  # noqa: E402
+from common import REPO, RESULTS, environment, humaneval_prompts, load_target  # noqa: E402
 
 import dspark_hf  # noqa: E402
+from dspark_hf.devices import synchronize  # noqa: E402
 from dspark_hf.scheduling import SpeculationGuard, SPSTable  # noqa: E402
 from dspark_hf.serving import DSparkEngine  # noqa: E402
 from dspark_hf.verify import VerifyResult  # noqa: E402

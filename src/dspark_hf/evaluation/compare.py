@@ -9,6 +9,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ..attention_backends import decoding_attention
+from ..devices import synchronize
 from ..generation import DSparkStats
 from ..models import DSparkDraftModel
 
@@ -43,14 +44,12 @@ class Comparison:
 
 def timed_generate(target: PreTrainedModel, input_ids: torch.LongTensor, **generate_kwargs):
     """`target.generate(input_ids, **generate_kwargs)` without gradients; returns (output, wall-clock seconds),
-    synchronising the GPU around the call so the time covers the whole generation."""
-    if target.device.type == "cuda":
-        torch.cuda.synchronize(target.device)
+    synchronising the device around the call so the time covers the whole generation."""
+    synchronize(target.device)
     started = time.perf_counter()
     with torch.no_grad(), decoding_attention():  # plain and DSpark runs use the same attention kernels
         output = target.generate(input_ids, **generate_kwargs)
-    if target.device.type == "cuda":
-        torch.cuda.synchronize(target.device)
+    synchronize(target.device)
     return output, time.perf_counter() - started
 
 

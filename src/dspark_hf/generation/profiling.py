@@ -16,6 +16,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from ..devices import synchronize
+
 PARTS = ("prefill", "draft_backbone", "markov_sampling", "scheduler", "verify_forward", "verification", "bookkeeping")
 
 
@@ -35,8 +37,7 @@ class RoundProfiler:
         self.rounds = 0
 
     def _now(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        synchronize(self.device)
         return time.perf_counter()
 
     @contextlib.contextmanager

@@ -17,6 +17,7 @@ from typing import Any, Sequence
 import torch
 
 from ..attention_backends import decoding_attention
+from ..devices import synchronize
 
 __all__ = ["SPSTable"]
 
@@ -29,15 +30,6 @@ def _device_name(device: torch.device) -> str:
     if device.type == "cuda" and torch.cuda.is_available():
         return torch.cuda.get_device_name(device)
     return device.type
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "xpu" and hasattr(torch, "xpu"):
-        torch.xpu.synchronize(device)
-    elif device.type == "mps" and hasattr(torch, "mps"):
-        torch.mps.synchronize()
 
 
 @dataclass
@@ -223,10 +215,10 @@ class SPSTable:
             pos = torch.arange(context_length, context_length + per_row, device=device).expand(num_sequences, -1)
             times = []
             for i in range(warmup + repeats):
-                _sync(device)
+                synchronize(device)
                 t0 = time.perf_counter()
                 model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
-                _sync(device)
+                synchronize(device)
                 dt = time.perf_counter() - t0
                 cache.crop(-per_row)  # back to the context (negative = tokens to remove)
                 if i >= warmup:
