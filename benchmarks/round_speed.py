@@ -80,9 +80,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (QWEN3_4B, REPO, RESULTS, environment, humaneval_prompts, load_target,  # noqa: E402
-                    materialize_fixture, synchronize)
+                    materialize_fixture)
 
 import dspark_hf  # noqa: E402
+from dspark_hf.devices import synchronize  # noqa: E402
 from dspark_hf.generation import static_generate  # noqa: E402
 from dspark_hf.serving import DSparkEngine  # noqa: E402
 
@@ -137,7 +138,8 @@ def models(name: str, dtype: torch.dtype, device: str, new_tokens: int = 128):
         target = load_target(name, dtype, device).eval()
         drafter = dspark_hf.DSparkDraftModel.from_pretrained(REPO / "drafters" / "code50m-dspark", dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(target.config._name_or_path)
-        prompt = first_prompt_without_eos(target, tokenizer, humaneval_prompts(40), new_tokens)
+        prompt = torch.tensor([prompts_without_eos(target, tokenizer, humaneval_prompts(40), new_tokens, 1)[0]],
+                              device=device)
         return target, drafter.to(device).eval(), prompt
     torch.manual_seed(0)
     config = Qwen3Config(**SHAPES[name], max_position_embeddings=4096, eos_token_id=None)
@@ -161,20 +163,6 @@ def assistant_model(name: str, dtype: torch.dtype, device: str | torch.device):
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
 
 
-def first_prompt_without_eos(target, tokenizer, texts: list[str], new_tokens: int) -> torch.Tensor:
-    """The first prompt whose plain greedy continuation has no eos within `new_tokens`: every method then decodes
-    the same text (`static_generate` runs with eos off, while `min_new_tokens` would make generate() suppress an
-    eos that plain decoding wants; on the fixture's first HumanEval prompt that is the very first token)."""
-    eos = eos_ids(target)
-    for text in texts:
-        prompt = tokenizer(text, return_tensors="pt")["input_ids"].to(target.device)
-        with torch.no_grad():
-            continuation = target.generate(prompt, max_new_tokens=new_tokens, do_sample=False)[0, prompt.shape[1]:]
-        if continuation.numel() == new_tokens and not eos & set(continuation.tolist()):
-            return prompt
-    raise RuntimeError(f"every prompt's greedy continuation reaches eos within {new_tokens} tokens")
-
-
 def eos_ids(target) -> set[int]:
     eos = target.generation_config.eos_token_id
     return set([eos] if isinstance(eos, int) else eos or [])
@@ -195,7 +183,10 @@ def left_pad(rows: list[list[int]], pad: int, device) -> tuple[torch.Tensor, tor
 
 def prompts_without_eos(target, tokenizer, texts: list[str], new_tokens: int, count: int) -> list[list[int]]:
     """`count` prompts (token ids) whose plain greedy continuation, decoded in left-padded batches of `count`, has
-    no eos within `new_tokens`, in `texts` order; repeated cyclically when fewer exist (none: RuntimeError)."""
+    no eos within `new_tokens`, in `texts` order; repeated cyclically when fewer exist (none: RuntimeError). Then
+    every method decodes the same text: `static_generate` runs with eos off, while `min_new_tokens` would make
+    generate() suppress an eos that plain decoding wants (on the fixture's first HumanEval prompt, the very first
+    token)."""
     eos, found = eos_ids(target), []
     for start in range(0, len(texts), count):
         rows = [tokenizer(text)["input_ids"] for text in texts[start:start + count]]
