@@ -5,9 +5,10 @@ On an H200 with torch 2.11, `scaled_dot_product_attention` ran cuDNN attention i
 seen (reported by other projects, e.g. modelscope/FunASR issue 3704). A decoding loop changes the shape almost every
 round: the KV length grows, and the padding mask of a batch changes. So every round may pay a plan build. On the
 H200 the engine's rounds took about 15-65 ms longer than the same forward at shapes an earlier run had already seen,
-for the 50M fixture and a 4B shape alike (docs/serving.md), which is what per-shape plan builds would cost;
-`benchmarks/engine_profile.py --compare-plain` is the direct check. Flash and memory-efficient attention need no
-per-shape plan.
+for the 50M fixture and a 4B shape alike, which is what per-shape plan builds would cost. Under this context the
+no-speculation engine's median round on the 50M fixture fell from 49-79 ms to 7-12 ms in the same serving benchmark
+(docs/serving.md); `benchmarks/engine_profile.py --compare-plain` isolates the effect further (not yet run). Flash
+and memory-efficient attention need no per-shape plan.
 
 `decoding_attention()` keeps every backend that is enabled and only moves cuDNN to the end of the priority order,
 for the duration of the block. DSpark's loops (`generate(assistant_model=...)`, batched generation, the engine) run
