@@ -12,8 +12,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 round_speed = pytest.importorskip("round_speed")
 torch = round_speed.torch
 
-BATCH_1 = {"plain_eager", "plain_static_compile", "dspark_generate", "dspark_static", "dspark_static_compiled",
-           "prompt_lookup"}
+BATCH_1 = {"plain_eager", "plain_static_compile", "plain_static", "plain_static_compiled", "dspark_generate",
+           "dspark_static", "dspark_static_compiled", "prompt_lookup"}
 BATCHED = {"plain_eager", "plain_static_compile", "dspark_engine", "engine_no_spec"}
 needs_fixtures = pytest.mark.skipif(not (round_speed.REPO.parent / "shared" / "fixtures").is_dir(),
                                     reason="needs ../shared/fixtures (the 50M code fixture and its 10M assistant)")
@@ -56,10 +56,11 @@ def test_left_padded_rows_of_different_lengths_match_plain_decoding(smoke):
 def test_not_measured_names_a_reason_for_every_skipped_method():
     for name in ("smoke", "code50m"):
         skipped = round_speed.not_measured(name, 1)
-        assert "dflash_native" in skipped and "plain_fast_path" in skipped
+        assert "dflash_native" in skipped and not set(skipped) & BATCH_1
         assert ("assisted_10m" in skipped) == (name != "code50m")
         batched = round_speed.not_measured(name, 64)
-        assert {"dspark_static", "dspark_static_compiled", "prompt_lookup", "assisted_10m"} <= set(batched)
+        assert {"plain_static", "plain_static_compiled", "dspark_static", "dspark_static_compiled", "prompt_lookup",
+                "assisted_10m"} <= set(batched)
         assert all(isinstance(reason, str) and reason for reason in (*skipped.values(), *batched.values()))
 
 
@@ -90,3 +91,19 @@ def test_fixture_assistant_and_batched_prompts_match_plain_decoding():
     assert len(prompts) == 2 and len(set(map(tuple, prompts))) == 2
     rows = round_speed.measure_batch(target, drafter, prompts, new_tokens=4)
     assert all(row["matched_plain_min"] == 1.0 for row in rows.values())
+
+
+def test_summary_compares_with_the_fastest_plain_method_and_the_floor():
+    rows = lambda **tps: {name: dict(tokens_per_second=v, ms_per_token=1e3 / v) for name, v in tps.items()}
+    fixture = rows(plain_eager=100.0, plain_static_compile=400.0, plain_static_compiled=500.0,
+                   dspark_static_compiled=1000.0)
+    fixture["dspark_static_compiled"].update(tau=4.0)
+    shape = rows(plain_static_compiled=250.0, dspark_static_compiled=100.0)
+    shape["dspark_static_compiled"].update(ms_per_round=6.0)
+    summary = round_speed.summarize({"code50m": dict(methods=fixture),
+                                     "qwen3-4b-shape": dict(floor_ms=2.0, methods=shape)})
+    assert summary["fast_plain_method"] == "plain_static_compiled"
+    assert summary["speedup_over_fast_plain"] == pytest.approx(2.0) and summary["speedup_goal"] == pytest.approx(3.2)
+    assert summary["round_time_over_floor_4b"] == pytest.approx(3.0)
+    assert summary["plain_step_over_floor_4b"] == pytest.approx(2.0)
+    assert "round_time_over_floor_8b" not in summary

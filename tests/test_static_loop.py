@@ -1,7 +1,8 @@
-"""`static_generate`: batch-1 DSpark decoding on a static KV cache with position rollback. Greedy output equals plain
-`generate()` (float32) with good and bad drafters, eos inside a round, budgets that end mid-round, and the verify
-forward traced by torch.compile; sampling follows the target's exact distribution (chi-square, see
-test_generation_sampling.py for the protocol and the stated false-alarm rate)."""
+"""`static_generate`: batch-1 decoding on static KV caches with position rollback, DSpark and plain (`drafter=None`).
+Greedy output equals plain `generate()` (float32) with good and bad drafters, eos inside a round, budgets that end
+mid-round, and the round (drafter + target + acceptance) traced by torch.compile as one graph; sampling follows the
+target's exact distribution (chi-square, see test_generation_sampling.py for the protocol and the stated false-alarm
+rate) and draws the same tokens eager and compiled."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ def test_greedy_equals_plain_generate(target, prompt, max_new_tokens):
     ids = torch.tensor([prompt])
     expected = plain(target, ids, max_new_tokens)
     candidates = drafters(target)
+    assert torch.equal(static_generate(target, None, ids, max_new_tokens), expected)  # plain, on the static cache
     for name, drafter in candidates.items():
         assert torch.equal(static_generate(target, drafter, ids, max_new_tokens), expected), name
         stats = drafter.generation_stats
@@ -57,26 +59,51 @@ def test_eos_inside_a_round_ends_where_plain_decoding_does(target):
     stop = continuation[index]  # made the eos: plain decoding ends there, inside one of our rounds
     expected = plain(target, ids, 30, eos_token_id=stop)
     assert expected.shape[1] == 3 + index + 1
+    assert torch.equal(static_generate(target, None, ids, 30, eos_token_id=stop), expected)
     for name, drafter in drafters(target).items():
         assert torch.equal(static_generate(target, drafter, ids, 30, eos_token_id=stop), expected), name
 
 
-def test_compiled_verify_forward_is_one_graph_with_the_same_tokens(target):
-    """fullgraph=True: no graph break; one backend call over two whole generations: one shape, no recompilation
-    (what CUDA-graph capture needs)."""
-    good = drafters(target)["good"]
+def counting_backend():
+    """A torch.compile backend that runs the traced graph as it is and records each compilation."""
     compilations = []
 
     def backend(graph, example_inputs):
         compilations.append(graph)
         return graph.forward
 
+    return compilations, backend
+
+
+@pytest.mark.parametrize("with_drafter", [True, False], ids=["dspark", "plain"])
+def test_compiled_round_is_one_graph_with_the_same_tokens(target, with_drafter):
+    """fullgraph=True: drafter, Markov loop, target forward and acceptance trace without a graph break; one backend
+    call over two whole generations: one shape, no recompilation (what CUDA-graph capture needs)."""
+    good = drafters(target)["good"] if with_drafter else None
+    compilations, backend = counting_backend()
     torch._dynamo.reset()
     options = dict(backend=backend, fullgraph=True, dynamic=False)
     for ids in (torch.tensor([[5, 9, 11]]), torch.tensor([[30, 7]])):  # the second call reuses the cache and graph
         compiled = static_generate(target, good, ids, 20, compile=options)
         assert torch.equal(compiled, plain(target, ids, 20))
-        assert good.generation_stats.rounds > 2
+        if with_drafter:
+            assert good.generation_stats.rounds > 2
+    assert len(compilations) == 1
+
+
+@pytest.mark.parametrize("with_drafter", [True, False], ids=["dspark", "plain"])
+def test_sampling_draws_the_same_tokens_eager_and_compiled(target, with_drafter):
+    """The noise is drawn outside the round, so a seed fixes the output whether or not the round is compiled."""
+    drafter = drafters(target)["random"] if with_drafter else None
+    compilations, backend = counting_backend()
+    torch._dynamo.reset()
+    options = dict(backend=backend, fullgraph=True, dynamic=False)
+    ids = torch.tensor([[5, 9, 11]])
+    outputs = {compile is not False: [static_generate(target, drafter, ids, 12, do_sample=True, temperature=0.8,
+                                                      top_k=20, seed=seed, compile=compile) for seed in range(4)]
+               for compile in (False, options)}
+    assert all(torch.equal(a, b) for a, b in zip(outputs[False], outputs[True]))
+    assert len({tuple(out[0].tolist()) for out in outputs[False]}) > 1  # the seeds do change the draw
     assert len(compilations) == 1
 
 
@@ -94,9 +121,9 @@ def test_features_come_from_the_tap_so_a_drafter_may_tap_the_last_layer(target):
     torch.testing.assert_close(features, expected)
     assert not torch.allclose(features[..., -target.config.hidden_size:],
                               target(ids, output_hidden_states=True).hidden_states[-1])  # not the normed state
-    compilations = []
+    compilations, backend = counting_backend()
     torch._dynamo.reset()
-    options = dict(backend=lambda graph, inputs: compilations.append(graph) or graph.forward, fullgraph=True)
+    options = dict(backend=backend, fullgraph=True)
     for compile in (False, options):
         assert torch.equal(static_generate(target, drafter, ids, 30, compile=compile), plain(target, ids, 30))
     assert len(compilations) == 1
@@ -118,12 +145,13 @@ def small_target():
     return model
 
 
-@pytest.mark.parametrize("sampling,processors", [
-    (dict(temperature=1.0), LogitsProcessorList()),
-    (dict(temperature=0.7, top_p=0.8), LogitsProcessorList([TemperatureLogitsWarper(0.7), TopPLogitsWarper(0.8)])),
-], ids=["t1.0", "t0.7-top_p0.8"])
-def test_sampling_matches_target_distribution(small_target, sampling, processors):
-    drafter = oracle_drafter(small_target, scale=3.0)
+@pytest.mark.parametrize("with_drafter,sampling,processors", [
+    (True, dict(temperature=1.0), LogitsProcessorList()),
+    (True, dict(temperature=0.7, top_p=0.8), LogitsProcessorList([TemperatureLogitsWarper(0.7), TopPLogitsWarper(0.8)])),
+    (False, dict(temperature=0.7, top_p=0.8), LogitsProcessorList([TemperatureLogitsWarper(0.7), TopPLogitsWarper(0.8)])),
+], ids=["dspark-t1.0", "dspark-t0.7-top_p0.8", "plain-t0.7-top_p0.8"])
+def test_sampling_matches_target_distribution(small_target, with_drafter, sampling, processors):
+    drafter = oracle_drafter(small_target, scale=3.0) if with_drafter else None
     num_samples, counts = 2500, {}
     for index in range(num_samples):
         out = static_generate(small_target, drafter, PROMPT, NEW_TOKENS, do_sample=True, seed=index, **sampling)

@@ -1,20 +1,23 @@
-"""Batch-1 DSpark decoding on a static KV cache: the first piece of the fast path (experimental).
+"""Batch-1 decoding on static KV caches, one fixed-shape function per round: the fast path (experimental).
 
 `static_generate(target, drafter, input_ids, max_new_tokens)` decodes like `generate(assistant_model=drafter)` at
-batch 1 with a fixed verify length, but every verify forward has the same shape and touches no new memory:
+batch 1 with a fixed verify length, but every round is the same function of the same shapes, touching no new memory:
 
-- the target's cache is a transformers `StaticCache` sized for the whole generation;
-- each round feeds `[anchor, γ drafts]` at the next positions, always γ + 1 tokens;
-- rejected tokens are rolled back by moving the cache's write position back (their stale K/V sit beyond every later
-  query's position, masked out, and the next round overwrites them);
-- one host synchronisation per round (the accepted count and the emitted tokens, fetched together).
+- the target and the drafter each keep a transformers `StaticCache` sized for the whole generation;
+- a round drafts from the previous round's γ + 1 target features (only the accepted ones are context: an attention
+  mask hides the drafter-cache rows past the anchor, and the next round overwrites them), runs the Markov loop
+  (greedy argmax, or an exponential race on noise drawn before the round, so sampling needs no generator inside),
+  then the target's forward over `[anchor, γ drafts]` and, greedy, the acceptance;
+- rejected tokens are rolled back by moving each cache's write position back, inside the round;
+- the next round's anchor, positions and features stay on the device: one host synchronisation per round (the
+  accepted count and the emitted tokens, fetched together).
 
-So `compile=True` can hand the verify forward to `torch.compile(mode="reduce-overhead")`, which captures it as a CUDA
-graph on a GPU. The prefill and the drafter run eagerly, as in `generate()`. Greedy output equals plain `generate()`
-(float32); sampling is lossless through `dspark_hf.verify`. Only temperature / top-k / top-p processing and eos /
-`max_new_tokens` stopping are supported. The drafter's features come from a `TargetLayerTap` (hooks, traced into the
-compiled graph), as everywhere else, so any tapped layer works. On an H200 the compiled loop halved a round on the
-50M fixture; the drafter side is still eager (docs/how-it-works.md).
+`compile=True` hands the round function to `torch.compile(mode="reduce-overhead")`, which captures drafter and target
+together as one CUDA graph on a GPU (greedy; sampling verifies eagerly through `dspark_hf.verify` after the graph).
+`drafter=None` decodes plainly on the same static cache, with no host synchronisation at all when there is no eos to
+watch: the fast plain baseline a speedup is measured against. Greedy output equals plain `generate()` (float32);
+sampling is lossless. Only temperature / top-k / top-p processing and eos / `max_new_tokens` stopping are supported.
+The drafter's features come from a `TargetLayerTap` (hooks, traced into the compiled graph), so any tapped layer works.
 """
 
 from __future__ import annotations
@@ -24,65 +27,154 @@ import weakref
 
 import torch
 from transformers import PreTrainedModel, StaticCache
-from transformers.cache_utils import DynamicCache
 
 from ..models import DSparkDraftModel, TargetLayerTap
+from ..models.modeling import greedy_selector
 from ..verify import verify
 from ..verify.reference import processed_scores
 from .candidate_generator import DSparkStats
 from .target_features import check_drafter_fits_target
 
 
-class StaticVerifier:
-    """The target on a `StaticCache`: `prefill(prompt)` and `forward(ids, start)` (the verify shape), each returning
-    float32 logits and the drafter's features (the tapped hidden states, concatenated); `rollback(length)`.
+def rewind(cache: StaticCache, length: torch.Tensor) -> None:
+    """Sets every initialised layer's write position to `length` (a 0-d device tensor: no host sync)."""
+    for layer in cache.layers:
+        if layer.is_initialized:  # (the first forward allocates the layer)
+            layer.cumulative_length.copy_(length)
 
-    `StaticVerifier.for_target(...)` keeps the last one built for a target and reuses it while it fits, so repeated
-    calls neither reallocate the cache nor recompile (dynamo recompiles a new instance, and gives up after a few)."""
+
+def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.LongTensor:
+    """A token drawn from `probs` [B, V] by the exponential race: argmax p / E with E ~ Exp(1) (`noise` [B, V])."""
+    return (probs / noise).argmax(dim=-1)
+
+
+class StaticVerifier:
+    """The target on a `StaticCache`: `prefill(prompt)` and `forward(ids, positions)`, each returning float32 logits
+    and the drafter's features (the tapped hidden states, concatenated; None without layers); `rollback(length)`."""
+
+    def __init__(self, target: PreTrainedModel, layer_ids: list[int], max_length: int):
+        self.target, self.layer_ids, self.max_length = target, list(layer_ids), max_length
+        self.tap = TargetLayerTap(target, layer_ids) if layer_ids else None  # hooks live only inside `with self.tap`
+        self.cache = StaticCache(config=target.config, max_cache_len=max_length)
+
+    def forward(self, ids: torch.LongTensor, positions: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        out = self.target(input_ids=ids, position_ids=positions, past_key_values=self.cache, use_cache=True)
+        return out.logits.float(), self.tap.features() if self.tap is not None else None
+
+    def prefill(self, ids: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        with self.tapping():
+            return self.forward(ids, torch.arange(ids.shape[1], device=ids.device)[None])
+
+    def tapping(self):
+        """The context under which forwards record features (a no-op without tapped layers)."""
+        return self.tap if self.tap is not None else torch.no_grad()
+
+    def rollback(self, length: torch.Tensor) -> None:
+        rewind(self.cache, length)
+
+
+class StaticRound:
+    """Target and drafter on static caches, and the round function over them (eager for the first round, whose
+    context is the prompt, and `compiled` for all later ones, which share one shape).
+
+    `StaticRound.for_models(...)` keeps the last one built for a drafter (or a target decoding plainly) and reuses it
+    while it fits, so repeated calls neither reallocate the caches nor recompile (dynamo recompiles a new instance,
+    and gives up after a few)."""
 
     _kept: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     @classmethod
-    def for_target(cls, target: PreTrainedModel, layer_ids: list[int], max_length: int, compile: bool | dict):
-        kept = cls._kept.get(target)
-        if kept is None or kept.key != (tuple(layer_ids), repr(compile)) or kept.max_length < max_length:
-            kept = cls._kept[target] = cls(target, layer_ids, max_length, compile)
-        kept.rollback(torch.zeros((), dtype=torch.long, device=target.device))
+    def for_models(cls, target: PreTrainedModel, drafter: DSparkDraftModel | None, max_length: int,
+                   compile: bool | dict, do_sample: bool) -> StaticRound:
+        owner = drafter if drafter is not None else target
+        key = (id(target), repr(compile), do_sample)
+        kept = cls._kept.get(owner)
+        if kept is None or kept.key != key or kept.max_length < max_length:
+            kept = cls._kept[owner] = cls(target, drafter, max_length, compile, do_sample)
+        zero = torch.zeros((), dtype=torch.long, device=target.device)
+        kept.verifier.rollback(zero)
+        if kept.drafter_cache is not None:
+            rewind(kept.drafter_cache, zero)
         return kept
 
-    def __init__(self, target: PreTrainedModel, layer_ids: list[int], max_length: int, compile: bool | dict = False):
-        self.target, self.layer_ids, self.max_length = target, list(layer_ids), max_length
-        self.tap = TargetLayerTap(target, layer_ids)  # its hooks live only around each forward (`with self.tap`)
-        self.key = (tuple(layer_ids), repr(compile))
-        self.cache = StaticCache(config=target.config, max_cache_len=max_length)
-        self.verify_forward = self._forward
+    def __init__(self, target: PreTrainedModel, drafter: DSparkDraftModel | None, max_length: int,
+                 compile: bool | dict, do_sample: bool):
+        self.target, self.drafter, self.max_length = target, drafter, max_length
+        self.key = (id(target), repr(compile), do_sample)
+        layer_ids = drafter.config.target_layer_ids if drafter is not None else []
+        self.verifier = StaticVerifier(target, layer_ids, max_length)
+        self.drafter_cache = StaticCache(config=drafter.config, max_cache_len=max_length) if drafter else None
+        if drafter is None:
+            self.step = self._sampled_plain_step if do_sample else self._greedy_plain_step
+        else:
+            self.step = self._sampled_round if do_sample else self._greedy_round
+        self.compiled = self.step
         if compile:
             options = compile if isinstance(compile, dict) else dict(mode="reduce-overhead", dynamic=False)
-            self.verify_forward = torch.compile(self._forward, **options)
+            self.compiled = torch.compile(self.step, **options)
 
-    def _forward(self, ids: torch.LongTensor, positions: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.target(input_ids=ids, position_ids=positions, past_key_values=self.cache, use_cache=True)
-        return out.logits.float(), self.tap.features()
+    # ------------------------------------------------------------------ DSpark rounds
+    def _draft_and_score(self, anchor, features, context_start, position, select):
+        """Drafts after `anchor` [1] from `features` [1, C, K·H] (target positions context_start.. ; those before
+        `position` are context) and runs the target over [anchor, drafts] -> (drafts [1, γ], q logits, target
+        logits [1, γ + 1, V], the target's features of those γ + 1 positions)."""
+        drafter, device = self.drafter, position.device
+        block, slots = drafter.config.block_size, drafter.config.num_draft_slots
+        rewind(self.drafter_cache, context_start)
+        hidden = torch.cat([torch.arange(self.max_length, device=device) >= position,
+                            torch.zeros(block, dtype=torch.bool, device=device)])  # cache rows that are not context
+        dtype = drafter.compute_dtype
+        mask = torch.zeros(1, 1, block, self.max_length + block, dtype=dtype, device=device)
+        mask = mask.masked_fill(hidden, torch.finfo(dtype).min)
+        proposal = drafter.draft(anchor, features, self.drafter_cache,
+                                 position_ids=(position + torch.arange(block, device=device))[None],
+                                 context_position_ids=(context_start + torch.arange(features.shape[1],
+                                                                                    device=device))[None],
+                                 select=select, attention_mask=mask)
+        self.verifier.rollback(position)
+        ids = torch.cat([anchor[:, None], proposal.tokens], dim=1)
+        logits, step_features = self.verifier.forward(ids, (position + torch.arange(slots + 1, device=device))[None])
+        return proposal.tokens, proposal.logits, logits, step_features
 
-    def prefill(self, ids: torch.LongTensor):
-        with self.tap:
-            return self._forward(ids, torch.arange(ids.shape[1], device=ids.device)[None])
+    def _greedy_round(self, anchor, features, context_start, position):
+        """-> (host vector [accepted, γ + 1 target tokens], next anchor [1], next features, next position)."""
+        drafts, _, logits, step_features = self._draft_and_score(anchor, features, context_start, position,
+                                                                 greedy_selector)
+        tokens = logits[0].argmax(dim=-1)
+        accepted = (drafts[0] == tokens[:-1]).long().cumprod(dim=0).sum()
+        return torch.cat([accepted[None], tokens]), tokens.gather(0, accepted[None]), step_features, position + accepted + 1
 
-    def forward(self, ids: torch.LongTensor, start: torch.Tensor):
-        with self.tap:
-            return self.verify_forward(ids, start + torch.arange(ids.shape[1], device=ids.device)[None])
+    def _sampled_round(self, anchor, features, context_start, position, noise, temperatures, top_ks, top_ps):
+        """-> (drafts [1, γ], their q [1, γ, V], target logits, next features); `noise` [1, γ, V] ~ Exp(1)."""
+        def select(drafted, logits):
+            processed = processed_scores(logits, temperatures, top_ks, top_ps)
+            return race(processed.softmax(dim=-1), noise[:, drafted.shape[1]]), processed
 
-    def rollback(self, length: torch.Tensor) -> None:
-        """Sets every layer's write position to `length` (a 0-d device tensor: no host sync)."""
-        for layer in self.cache.layers:
-            if layer.is_initialized:  # (the first forward allocates the layer)
-                layer.cumulative_length.copy_(length)
+        drafts, q_logits, logits, step_features = self._draft_and_score(anchor, features, context_start, position,
+                                                                        select)
+        return drafts, q_logits.softmax(dim=-1), logits, step_features
+
+    # ------------------------------------------------------------------ plain steps
+    def _greedy_plain_step(self, token, position):
+        """`token` [1] at `position` -> (the next token [1], position + 1)."""
+        logits, _ = self.verifier.forward(token[:, None], position.view(1, 1))
+        return logits[:, -1].argmax(dim=-1), position + 1
+
+    def _sampled_plain_step(self, token, position, noise, temperatures, top_ks, top_ps):
+        logits, _ = self.verifier.forward(token[:, None], position.view(1, 1))
+        processed = processed_scores(logits[:, -1], temperatures, top_ks, top_ps)
+        return race(processed.softmax(dim=-1), noise), position + 1
+
+
+def exponential_noise(shape: tuple[int, ...], generator: torch.Generator, device: torch.device) -> torch.Tensor:
+    """Exp(1) noise for `race`, bounded away from 0."""
+    return torch.empty(shape, device=device).exponential_(generator=generator).clamp_min_(1e-20)
 
 
 @torch.no_grad()
 def static_generate(
     target: PreTrainedModel,
-    drafter: DSparkDraftModel,
+    drafter: DSparkDraftModel | None,
     input_ids: torch.LongTensor,
     max_new_tokens: int,
     *,
@@ -96,20 +188,21 @@ def static_generate(
 ) -> torch.LongTensor:
     """`[1, L]` prompt -> `[1, L + n]` with n <= max_new_tokens (fewer when eos ends it, eos kept).
 
-    `eos_token_id` defaults to the target's generation config. `compile`: True for `torch.compile(mode=
-    "reduce-overhead", dynamic=False)` of the verify forward, or a dict of `torch.compile` options. `seed` seeds the
-    draft sampling and verification noise. Round statistics go to `drafter.generation_stats` (as in `generate()`;
-    the seconds are wall-clock, the device is not synchronised for them)."""
+    `drafter=None` decodes plainly on the static cache. `eos_token_id` defaults to the target's generation config.
+    `compile`: True for `torch.compile(mode="reduce-overhead", dynamic=False)` of the round, or a dict of
+    `torch.compile` options. `seed` seeds the draft sampling and verification noise. Round statistics go to
+    `drafter.generation_stats` (as in `generate()`; a round is one function, so its whole wall-clock time is in
+    `verify_seconds` and `draft_seconds` are 0; the device is not synchronised for them)."""
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"static_generate() decodes one prompt [1, L]; got shape {tuple(input_ids.shape)}.")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
     if do_sample and temperature <= 0:
         raise ValueError("temperature must be > 0 for sampling; use do_sample=False for greedy.")
-    check_drafter_fits_target(drafter.config, target)
-    drafter.share_target_weights(target)
+    if drafter is not None:
+        check_drafter_fits_target(drafter.config, target)
+        drafter.share_target_weights(target)
     device, length = target.device, input_ids.shape[1]
-    gamma, block = drafter.config.num_draft_slots, drafter.config.block_size
     eos = target.generation_config.eos_token_id if eos_token_id is None else eos_token_id
     eos_ids = set([eos] if isinstance(eos, int) else (eos or []))
     generator = torch.Generator(device=device)
@@ -117,50 +210,76 @@ def static_generate(
         generator.manual_seed(seed)
     else:
         generator.seed()
-    temperatures = torch.tensor([temperature], device=device)
-    top_ks = None if top_k is None else torch.tensor([top_k], device=device)
-    top_ps = None if top_p is None else torch.tensor([top_p], device=device)
+    sampling = ()
+    if do_sample:
+        sampling = (torch.tensor([temperature], device=device),
+                    None if top_k is None else torch.tensor([top_k], device=device),
+                    None if top_p is None else torch.tensor([top_p], device=device))
+    vocab = target.config.get_text_config().vocab_size
+    block = drafter.config.block_size if drafter is not None else 0
+    rounds = StaticRound.for_models(target, drafter, length + max_new_tokens + block + 1, compile, do_sample)
+    logits, features = rounds.verifier.prefill(input_ids.to(device))
+    last = logits[:, -1]
+    if do_sample:
+        first = race(processed_scores(last, *sampling).softmax(dim=-1), exponential_noise((1, vocab), generator, device))
+    else:
+        first = last.argmax(dim=-1)
+    position = torch.tensor(length, device=device)
+    if drafter is None:
+        out = plain_loop(rounds, first, position, max_new_tokens, eos_ids, sampling, generator, vocab)
+    else:
+        out = dspark_loop(rounds, first, features, position, max_new_tokens, eos_ids, sampling, generator, vocab)
+    out = out[:max_new_tokens]
+    return torch.cat([input_ids, torch.tensor([out], dtype=input_ids.dtype, device=input_ids.device)], dim=1)
 
-    def choose(drafted, logits):  # draft slot i: the processed logits and the token drawn from them
-        if not do_sample:
-            return logits.argmax(dim=-1), logits
-        processed = processed_scores(logits, temperatures, top_ks, top_ps)
-        return torch.multinomial(processed.softmax(dim=-1), 1, generator=generator).squeeze(1), processed
 
-    verifier = StaticVerifier.for_target(target, drafter.config.target_layer_ids, length + max_new_tokens + block + 1,
-                                         compile)
-    logits, features = verifier.prefill(input_ids.to(device))
-    first = choose(None, logits[:, -1])[0]
+def plain_loop(rounds: StaticRound, token, position, max_new_tokens, eos_ids, sampling, generator, vocab) -> list:
+    """Plain decoding: one step per token; the host waits per step only to watch for eos."""
+    tokens = [token]
+    if eos_ids and int(token) in eos_ids:
+        return [int(token)]
+    while len(tokens) < max_new_tokens:
+        args = (exponential_noise((1, vocab), generator, token.device), *sampling) if sampling else ()
+        token, position = rounds.compiled(tokens[-1].clone(), position.clone(), *args)
+        tokens.append(token.clone())  # a CUDA graph reuses its output buffers next replay
+        if eos_ids and int(token) in eos_ids:
+            break
+    return torch.cat(tokens).tolist()
+
+
+def dspark_loop(rounds: StaticRound, first, features, position, max_new_tokens, eos_ids, sampling, generator,
+                vocab) -> list:
+    """DSpark rounds: the first (prompt context) eager, the rest through `rounds.compiled`; one host sync each."""
+    drafter, device = rounds.drafter, position.device
+    gamma = drafter.config.num_draft_slots
     out = [int(first)]
     stats = drafter.generation_stats = DSparkStats()
-    drafter_cache, context = DynamicCache(), 0
-    committed = torch.tensor(length, device=device)  # target positions with committed K/V (the anchor is next)
-    position = length
+    anchor, context_start, step = first, torch.zeros((), dtype=torch.long, device=device), rounds.step
     while len(out) < max_new_tokens and out[-1] not in eos_ids:
         started = time.perf_counter()
-        anchor = torch.tensor([out[-1]], device=device)
-        proposal = drafter.draft(anchor, features.to(drafter.device), drafter_cache,
-                                 position_ids=torch.arange(position, position + block, device=drafter.device)[None],
-                                 context_position_ids=torch.arange(context, position, device=drafter.device)[None],
-                                 select=choose)
-        context = position
-        drafts = proposal.tokens.to(device)
-        drafted = time.perf_counter()
-        logits, step_features = verifier.forward(torch.cat([anchor[:, None], drafts], dim=1), committed)
-        probs = proposal.logits[0].softmax(dim=-1) if do_sample else None
-        seeds = torch.randint(-(2**62), 2**62, (1,), generator=generator, device=device)
-        result = verify(drafts[0], torch.tensor([gamma], device=device), logits[0], probs, do_sample=do_sample,
-                        temperature=temperature if do_sample else 1.0, top_k=top_k if do_sample else None,
-                        top_p=top_p if do_sample else None, seeds=seeds, max_draft_len=gamma)
-        accepted = result.num_accepted[0]
-        committed = committed + accepted + 1
-        verifier.rollback(committed)
-        host = torch.cat([result.num_accepted, result.output_tokens[0]]).tolist()  # the round's one sync
+        with rounds.verifier.tapping():
+            if sampling:
+                noise = exponential_noise((1, gamma, vocab), generator, device)
+                drafts, probs, logits, step_features = step(anchor, features, context_start, position, noise,
+                                                            *sampling)
+            else:
+                host, next_anchor, step_features, next_position = step(anchor, features, context_start, position)
+        if sampling:
+            temperature, top_k, top_p = sampling
+            seeds = torch.randint(-(2**62), 2**62, (1,), generator=generator, device=device)
+            result = verify(drafts[0], torch.tensor([gamma], device=device), logits[0], probs[0], do_sample=True,
+                            temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds, max_draft_len=gamma)
+            accepted = result.num_accepted[0]
+            next_anchor, next_position = result.output_tokens[0][accepted][None], position + accepted + 1
+            host = torch.cat([result.num_accepted, result.output_tokens[0]])
+        host = host.tolist()  # the round's one sync
+        # the next round reads these while a CUDA graph would overwrite its outputs: copy them out first
+        anchor, features, context_start, position = next_anchor.clone(), step_features.clone(), position, \
+            next_position.clone()
+        step = rounds.compiled
         emitted = host[1: host[0] + 2]
-        features = step_features[:, : host[0] + 1].clone()  # a CUDA graph reuses its output buffers next replay
-        position += len(emitted)
-        stats.draft_seconds.append(drafted - started)
-        stats.verify_seconds.append(time.perf_counter() - drafted)
+        stats.draft_seconds.append(0.0)
+        stats.verify_seconds.append(time.perf_counter() - started)
         stats.drafted.append(gamma)
         stats.accepted.append(host[0])
         stats.committed.append(len(emitted))
@@ -168,5 +287,4 @@ def static_generate(
         out += emitted if stop is None else emitted[: stop + 1]  # an accepted eos ends generation there
         if stop is not None:
             break
-    out = out[:max_new_tokens]
-    return torch.cat([input_ids, torch.tensor([out], dtype=input_ids.dtype, device=input_ids.device)], dim=1)
+    return out

@@ -295,12 +295,14 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         context_position_ids: torch.LongTensor | None = None,
         num_tokens: int | None = None,
         select: TokenSelector = greedy_selector,
+        attention_mask: torch.Tensor | None = None,
     ) -> DraftProposal:
         """Drafts up to `block_size` tokens after `anchor_ids` [B] in one backbone forward plus the Markov loop.
 
         The new context features are appended to `past_key_values` (context K/V only). Slot i's logits are the
         backbone logits plus the Markov bias of the token drafted at slot i-1 (the anchor for i = 0); `select` turns
-        them into a token and the exact logits it was drawn from.
+        them into a token and the exact logits it was drawn from. `attention_mask` ([B, 1, γ, cached + γ], additive)
+        hides cache rows that are not context, e.g. the unused tail of a static cache.
         """
         gamma = self.config.block_size
         slots = self.config.num_draft_slots  # z-lab layout: mask slot j (1..γ-1) drafts position anchor + j
@@ -314,6 +316,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             target_hidden_states=target_hidden_states,
             position_ids=position_ids,
             context_position_ids=context_position_ids,
+            attention_mask=attention_mask,
             past_key_values=past_key_values,
         ).last_hidden_state[:, offset:]
         base_logits = self.compute_logits(hidden[:, :num_tokens])
