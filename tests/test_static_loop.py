@@ -158,3 +158,23 @@ def test_sampling_matches_target_distribution(small_target, with_drafter, sampli
         cell = tuple(out[0, PROMPT.shape[1]:].tolist())
         counts[cell] = counts.get(cell, 0) + 1
     assert chi_square_p_value(counts, exact_distribution(small_target, processors), num_samples) > ALPHA
+
+
+def test_greedy_rounds_are_queued_with_fewer_host_reads_than_rounds(target, monkeypatch):
+    """Greedy state stays on the device: with no eos to watch, plain decoding reads the device twice (the first
+    token, then every queued step at once) and DSpark fewer times than it runs rounds."""
+    reads = []
+    for name in ("tolist", "__int__", "item"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, _f=original, _n=name: reads.append(_n) or _f(self))
+    ids = torch.tensor([[5, 9, 11]])
+    expected = plain(target, ids, 40, eos_token_id=None)
+    monkeypatch.setattr(target.generation_config, "eos_token_id", None)
+    reads.clear()
+    assert torch.equal(static_generate(target, None, ids, 40), expected)
+    assert len(reads) == 2
+    drafter = drafters(target)["random"]  # about one token per round: many rounds
+    reads.clear()
+    assert torch.equal(static_generate(target, drafter, ids, 40), expected)
+    rounds = drafter.generation_stats.rounds
+    assert rounds > 10 and len(reads) < rounds / 2

@@ -104,10 +104,19 @@ class StaticRound:
         layer_ids = drafter.config.target_layer_ids if drafter is not None else []
         self.verifier = StaticVerifier(target, layer_ids, max_length)
         self.drafter_cache = StaticCache(config=drafter.config, max_cache_len=max_length) if drafter else None
-        if drafter is None:
-            self.step = self._sampled_plain_step if do_sample else self._greedy_plain_step
-        else:
-            self.step = self._sampled_round if do_sample else self._greedy_round
+        if do_sample:
+            self.step = self._sampled_plain_step if drafter is None else self._sampled_round
+        else:  # greedy keeps its state on the device, so rounds can be queued without the host reading anything
+            self.step = self._greedy_plain_in_place if drafter is None else self._greedy_round_in_place
+            device, width = target.device, 1 if drafter is None else drafter.config.num_draft_slots + 2
+            self.record = torch.zeros(max_length, width, dtype=torch.long, device=device)  # one row per round
+            self.round_index = torch.zeros((), dtype=torch.long, device=device)
+            self.anchor = torch.zeros(1, dtype=torch.long, device=device)
+            self.context_start = torch.zeros((), dtype=torch.long, device=device)
+            self.position = torch.zeros((), dtype=torch.long, device=device)
+            self.features = None  # [1, γ + 1, K·H], allocated by the first round (the tap decides width and dtype)
+            for buffer in (self.record, self.round_index, self.anchor, self.context_start, self.position):
+                torch._dynamo.mark_static_address(buffer)  # updated in place: CUDA graphs keep their addresses
         self.compiled = self.step
         if compile:
             options = compile if isinstance(compile, dict) else dict(mode="reduce-overhead", dynamic=False)
@@ -136,13 +145,37 @@ class StaticRound:
         logits, step_features = self.verifier.forward(ids, (position + torch.arange(slots + 1, device=device))[None])
         return proposal.tokens, proposal.logits, logits, step_features
 
-    def _greedy_round(self, anchor, features, context_start, position):
+    def greedy_round(self, anchor, features, context_start, position):
         """-> (host vector [accepted, γ + 1 target tokens], next anchor [1], next features, next position)."""
         drafts, _, logits, step_features = self._draft_and_score(anchor, features, context_start, position,
                                                                  greedy_selector)
         tokens = logits[0].argmax(dim=-1)
         accepted = (drafts[0] == tokens[:-1]).long().cumprod(dim=0).sum()
         return torch.cat([accepted[None], tokens]), tokens.gather(0, accepted[None]), step_features, position + accepted + 1
+
+    def _greedy_round_in_place(self) -> None:
+        """`greedy_round` on the state buffers: records [accepted, tokens] in `record[round_index]` and advances."""
+        host, anchor, features, position = self.greedy_round(self.anchor, self.features, self.context_start,
+                                                              self.position)
+        self.record.index_copy_(0, self.round_index[None], host[None])
+        self.round_index.add_(1)
+        self.context_start.copy_(self.position)
+        self.anchor.copy_(anchor)
+        self.features.copy_(features)
+        self.position.copy_(position)
+
+    def start_greedy(self, anchor: torch.Tensor, position: torch.Tensor, features: torch.Tensor | None = None,
+                     context_start: torch.Tensor | None = None) -> None:
+        """Sets the state buffers for the first queued round (DSpark: its features and where they start)."""
+        if features is not None:
+            if self.features is None or self.features.shape != features.shape:
+                self.features = torch.empty_like(features)
+                torch._dynamo.mark_static_address(self.features)
+            self.features.copy_(features)
+            self.context_start.copy_(context_start)
+        self.anchor.copy_(anchor)
+        self.position.copy_(position)
+        self.round_index.zero_()
 
     def _sampled_round(self, anchor, features, context_start, position, noise, temperatures, top_ks, top_ps):
         """-> (drafts [1, γ], their q [1, γ, V], target logits, next features); `noise` [1, γ, V] ~ Exp(1)."""
@@ -159,6 +192,13 @@ class StaticRound:
         """`token` [1] at `position` -> (the next token [1], position + 1)."""
         logits, _ = self.verifier.forward(token[:, None], position.view(1, 1))
         return logits[:, -1].argmax(dim=-1), position + 1
+
+    def _greedy_plain_in_place(self) -> None:
+        token, position = self._greedy_plain_step(self.anchor, self.position)
+        self.record.index_copy_(0, self.round_index[None], token[:, None])
+        self.round_index.add_(1)
+        self.anchor.copy_(token)
+        self.position.copy_(position)
 
     def _sampled_plain_step(self, token, position, noise, temperatures, top_ks, top_ps):
         logits, _ = self.verifier.forward(token[:, None], position.view(1, 1))
@@ -217,7 +257,8 @@ def static_generate(
                     None if top_p is None else torch.tensor([top_p], device=device))
     vocab = target.config.get_text_config().vocab_size
     block = drafter.config.block_size if drafter is not None else 0
-    rounds = StaticRound.for_models(target, drafter, length + max_new_tokens + block + 1, compile, do_sample)
+    # greedy rounds are queued ahead and may run up to γ tokens past the budget
+    rounds = StaticRound.for_models(target, drafter, length + max_new_tokens + 2 * (block + 1), compile, do_sample)
     logits, features = rounds.verifier.prefill(input_ids.to(device))
     last = logits[:, -1]
     if do_sample:
@@ -225,57 +266,113 @@ def static_generate(
     else:
         first = last.argmax(dim=-1)
     position = torch.tensor(length, device=device)
-    if drafter is None:
-        out = plain_loop(rounds, first, position, max_new_tokens, eos_ids, sampling, generator, vocab)
+    if not do_sample:
+        out = greedy_loop(rounds, first, features, position, max_new_tokens, eos_ids)
+    elif drafter is None:
+        out = sampled_plain_loop(rounds, first, position, max_new_tokens, eos_ids, sampling, generator, vocab)
     else:
-        out = dspark_loop(rounds, first, features, position, max_new_tokens, eos_ids, sampling, generator, vocab)
+        out = sampled_dspark_loop(rounds, first, features, position, max_new_tokens, eos_ids, sampling, generator,
+                                  vocab)
     out = out[:max_new_tokens]
     return torch.cat([input_ids, torch.tensor([out], dtype=input_ids.dtype, device=input_ids.device)], dim=1)
 
 
-def plain_loop(rounds: StaticRound, token, position, max_new_tokens, eos_ids, sampling, generator, vocab) -> list:
-    """Plain decoding: one step per token; the host waits per step only to watch for eos."""
+# Rounds queued per host read when eos may end generation early (the queued rounds past an eos are wasted work).
+ROUNDS_PER_READ_WITH_EOS = 8
+
+
+def greedy_loop(rounds: StaticRound, first, features, position, max_new_tokens, eos_ids) -> list:
+    """Greedy decoding from state kept on the device: the host queues as many rounds as cannot overshoot the budget
+    (remaining tokens / tokens per round, at most `ROUNDS_PER_READ_WITH_EOS` while an eos may come), then reads their
+    records in one synchronisation. DSpark's first round (the prompt is its context) runs eagerly first."""
+    drafter = rounds.drafter
+    out = [int(first)]
+    stats = None
+    if drafter is not None:
+        stats = drafter.generation_stats = DSparkStats()
+    if out[-1] in eos_ids or max_new_tokens == 1:
+        return out
+    pending: list[tuple[list[int], float]] = []  # (record row, seconds) of rounds the host has not read yet
+    if drafter is None:
+        rounds.start_greedy(first, position)
+        per_round = 1
+    else:
+        started = time.perf_counter()
+        with rounds.verifier.tapping():
+            host, anchor, step_features, next_position = rounds.greedy_round(first, features,
+                                                                             torch.zeros_like(position), position)
+        rounds.start_greedy(anchor, next_position, step_features, position)
+        pending.append((host.tolist(), time.perf_counter() - started))
+        per_round = drafter.config.num_draft_slots + 1
+    queued = 0
+    while True:
+        stop = False
+        for row, seconds in pending:
+            emitted = row[1: row[0] + 2] if drafter is not None else row
+            if stats is not None:
+                stats.draft_seconds.append(0.0)
+                stats.verify_seconds.append(seconds)
+                stats.drafted.append(per_round - 1)
+                stats.accepted.append(row[0])
+                stats.committed.append(len(emitted))
+            end = next((i for i, token in enumerate(emitted) if token in eos_ids), None)
+            out += emitted if end is None else emitted[: end + 1]  # an accepted eos ends generation there
+            if end is not None or len(out) >= max_new_tokens:
+                stop = True
+                break
+        if stop:
+            return out
+        count = -(-(max_new_tokens - len(out)) // per_round)
+        if eos_ids:
+            count = min(count, ROUNDS_PER_READ_WITH_EOS)
+        started = time.perf_counter()
+        with rounds.verifier.tapping():
+            for _ in range(count):
+                rounds.compiled()
+        rows = rounds.record[queued: queued + count].tolist()  # the one sync for these rounds
+        seconds = (time.perf_counter() - started) / count
+        queued += count
+        pending = [(row, seconds) for row in rows]
+
+
+def sampled_plain_loop(rounds: StaticRound, token, position, max_new_tokens, eos_ids, sampling, generator,
+                       vocab) -> list:
+    """Plain sampling: one step per token; the host waits per step only to watch for eos."""
     tokens = [token]
     if eos_ids and int(token) in eos_ids:
         return [int(token)]
     while len(tokens) < max_new_tokens:
-        args = (exponential_noise((1, vocab), generator, token.device), *sampling) if sampling else ()
-        token, position = rounds.compiled(tokens[-1].clone(), position.clone(), *args)
+        noise = exponential_noise((1, vocab), generator, token.device)
+        token, position = rounds.compiled(tokens[-1].clone(), position.clone(), noise, *sampling)
         tokens.append(token.clone())  # a CUDA graph reuses its output buffers next replay
         if eos_ids and int(token) in eos_ids:
             break
     return torch.cat(tokens).tolist()
 
 
-def dspark_loop(rounds: StaticRound, first, features, position, max_new_tokens, eos_ids, sampling, generator,
-                vocab) -> list:
-    """DSpark rounds: the first (prompt context) eager, the rest through `rounds.compiled`; one host sync each."""
+def sampled_dspark_loop(rounds: StaticRound, first, features, position, max_new_tokens, eos_ids, sampling, generator,
+                        vocab) -> list:
+    """DSpark sampling: the first round (prompt context) eager, the rest through `rounds.compiled`, each verified by
+    `dspark_hf.verify` after the graph; one host sync per round."""
     drafter, device = rounds.drafter, position.device
     gamma = drafter.config.num_draft_slots
     out = [int(first)]
     stats = drafter.generation_stats = DSparkStats()
     anchor, context_start, step = first, torch.zeros((), dtype=torch.long, device=device), rounds.step
+    temperature, top_k, top_p = sampling
     while len(out) < max_new_tokens and out[-1] not in eos_ids:
         started = time.perf_counter()
+        noise = exponential_noise((1, gamma, vocab), generator, device)
         with rounds.verifier.tapping():
-            if sampling:
-                noise = exponential_noise((1, gamma, vocab), generator, device)
-                drafts, probs, logits, step_features = step(anchor, features, context_start, position, noise,
-                                                            *sampling)
-            else:
-                host, next_anchor, step_features, next_position = step(anchor, features, context_start, position)
-        if sampling:
-            temperature, top_k, top_p = sampling
-            seeds = torch.randint(-(2**62), 2**62, (1,), generator=generator, device=device)
-            result = verify(drafts[0], torch.tensor([gamma], device=device), logits[0], probs[0], do_sample=True,
-                            temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds, max_draft_len=gamma)
-            accepted = result.num_accepted[0]
-            next_anchor, next_position = result.output_tokens[0][accepted][None], position + accepted + 1
-            host = torch.cat([result.num_accepted, result.output_tokens[0]])
-        host = host.tolist()  # the round's one sync
+            drafts, probs, logits, step_features = step(anchor, features, context_start, position, noise, *sampling)
+        seeds = torch.randint(-(2**62), 2**62, (1,), generator=generator, device=device)
+        result = verify(drafts[0], torch.tensor([gamma], device=device), logits[0], probs[0], do_sample=True,
+                        temperature=temperature, top_k=top_k, top_p=top_p, seeds=seeds, max_draft_len=gamma)
+        accepted = result.num_accepted[0]
+        host = torch.cat([result.num_accepted, result.output_tokens[0]]).tolist()  # the round's one sync
         # the next round reads these while a CUDA graph would overwrite its outputs: copy them out first
-        anchor, features, context_start, position = next_anchor.clone(), step_features.clone(), position, \
-            next_position.clone()
+        anchor, features = result.output_tokens[0][accepted][None].clone(), step_features.clone()
+        context_start, position = position, (position + accepted + 1).clone()
         step = rounds.compiled
         emitted = host[1: host[0] + 2]
         stats.draft_seconds.append(0.0)
