@@ -135,9 +135,16 @@ def not_measured(name: str, batch: int) -> dict[str, str]:
     return skipped
 
 
+def shape_config(name: str):
+    """The random target's `Qwen3Config` for shape `name` (no eos: every method decodes the same length)."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**{**SHAPES[name], "max_position_embeddings": 4096, "eos_token_id": None})
+
+
 def models(name: str, dtype: torch.dtype, device: str, new_tokens: int = 128):
     """(target, drafter, prompt [1, L]) for the fixture or a random shape (random 5-layer DSpark drafter)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if name == "code50m":
         target = load_target(name, dtype, device).eval()
@@ -147,7 +154,7 @@ def models(name: str, dtype: torch.dtype, device: str, new_tokens: int = 128):
                               device=device)
         return target, drafter.to(device).eval(), prompt
     torch.manual_seed(0)
-    config = Qwen3Config(**SHAPES[name], max_position_embeddings=4096, eos_token_id=None)
+    config = shape_config(name)
     with torch.device(device):
         target = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
         drafter = dspark_hf.DSparkDraftModel(dspark_hf.DSparkConfig.from_target_config(

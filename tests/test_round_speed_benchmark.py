@@ -107,3 +107,10 @@ def test_summary_compares_with_the_fastest_plain_method_and_the_floor():
     assert summary["round_time_over_floor_4b"] == pytest.approx(3.0)
     assert summary["plain_step_over_floor_4b"] == pytest.approx(2.0)
     assert "round_time_over_floor_8b" not in summary
+
+
+@pytest.mark.parametrize("name", sorted(round_speed.SHAPES))
+def test_every_random_shape_has_a_config(name):
+    config = round_speed.shape_config(name)
+    assert config.eos_token_id is None and config.max_position_embeddings == 4096
+    assert config.hidden_size == round_speed.SHAPES[name]["hidden_size"]

@@ -14,7 +14,7 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogit
 
 import dspark_hf  # noqa: F401
 from dspark_hf.generation import static_generate
-from dspark_hf.generation.static_loop import StaticVerifier
+from dspark_hf.generation.static_loop import StaticRound, StaticVerifier
 from dspark_hf.models import TargetLayerTap
 
 VOCAB_SIZE, EOS = 48, 2
@@ -178,3 +178,19 @@ def test_greedy_rounds_are_queued_with_fewer_host_reads_than_rounds(target, monk
     assert torch.equal(static_generate(target, drafter, ids, 40), expected)
     rounds = drafter.generation_stats.rounds
     assert rounds > 10 and len(reads) < rounds / 2
+
+
+def test_inductor_keeps_the_round_state_consistent(target):
+    """After the last queued round the drafter's context starts where that round's anchor stood: position minus the
+    tokens it committed. (Inductor once applied `context_start.copy_(position)` after updating `position`, which
+    left the output intact but fed the drafter the wrong context.)"""
+    drafter = drafters(target)["good"]
+    torch._dynamo.reset()
+    ids = torch.tensor([[5, 9, 11]])
+    out = static_generate(target, drafter, ids, 24, eos_token_id=[],
+                          compile=dict(backend="inductor", fullgraph=True, dynamic=False))
+    assert torch.equal(out, plain(target, ids, 24, eos_token_id=None))
+    rounds = StaticRound._kept[drafter]
+    last = rounds.record[int(rounds.round_index) - 1]
+    assert int(rounds.position - rounds.context_start) == int(last[0]) + 1
+    assert int(rounds.position) == int(rounds.context_start) + drafter.generation_stats.committed[-1]

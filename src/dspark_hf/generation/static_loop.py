@@ -159,7 +159,8 @@ class StaticRound:
                                                               self.position)
         self.record.index_copy_(0, self.round_index[None], host[None])
         self.round_index.add_(1)
-        self.context_start.copy_(self.position)
+        # the old position, computed anew: inductor may apply a copy of the `self.position` alias after updating it
+        self.context_start.copy_(position - host[0] - 1)
         self.anchor.copy_(anchor)
         self.features.copy_(features)
         self.position.copy_(position)
