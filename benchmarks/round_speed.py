@@ -61,8 +61,11 @@ Not measured, with the reason also in each entry's `not_measured` (method -> rea
 Every method runs under `dspark_hf.decoding_attention()`, so all use the same attention kernels. The weight-read
 floor is the target's weight bytes over the device's measured copy bandwidth (2 × bytes / seconds of a 1 GiB
 `copy_`). Random-weight targets accept almost nothing, so their DSpark rows measure the cost of a round
-(τ ≈ 1). Summary keys (batch 1): `round_time_over_floor_4b` / `_8b` (the compiled static loop's ms per round over
-the floor; `plain_step_over_floor_*` the same for `plain_static_compiled`'s ms per token), and for the fixture `tau`
+(τ ≈ 1). `static_generate` rows also give the steady state: `ms_per_steady_round` (DSpark: the rounds after the
+eager first one, whose context is the prompt, from its round statistics) and `prefill_ms` / `ms_per_steady_token`
+(plain: the prefill timed alone, one new token, and the rest per token). Summary keys (batch 1):
+`round_time_over_floor_4b` / `_8b` (`dspark_static_compiled`'s ms per steady round over the floor;
+`plain_step_over_floor_*` the same for `plain_static_compiled`'s ms per steady token), and for the fixture `tau`
 and `speedup_over_fast_plain` (`dspark_static_compiled` tokens/s over the fastest of `plain_eager`,
 `plain_static_compile` and `plain_static_compiled`, named in `fast_plain_method`), with `speedup_goal` = 0.8 τ.
 A method that raises is kept as `{"error": ...}` and left out of the summary. `matched_plain`: the share of
@@ -303,6 +306,12 @@ def measure(target, drafter, prompt, new_tokens: int, assistant=None) -> dict:
         if name.startswith("dspark"):
             stats = drafter.generation_stats
             row.update(tau=stats.tau, rounds=stats.rounds, ms_per_round=1e3 * seconds / max(1, stats.rounds))
+            if name.startswith("dspark_static") and stats.rounds > 1:  # the rounds after the eager first one
+                row["ms_per_steady_round"] = 1e3 * sum(stats.verify_seconds[1:]) / (stats.rounds - 1)
+        elif name.startswith("plain_static"):  # per step after the prefill (timed alone: one new token)
+            _, prefill_seconds, _ = run(lambda: static_generate(target, None, prompt, 1), device)
+            row.update(prefill_ms=1e3 * prefill_seconds,
+                       ms_per_steady_token=1e3 * (seconds - prefill_seconds) / max(1, generated - 1))
         elif forwards is not None:
             row.update(tau=generated / max(1, forwards), rounds=forwards,
                        ms_per_round=1e3 * seconds / max(1, forwards), rounds_counted="target forwards")
@@ -387,11 +396,13 @@ def summarize(entries: dict) -> dict:
             methods = {name: row for name, row in entry["methods"].items() if "error" not in row}
             if "dspark_static_compiled" not in methods:
                 continue
-            summary[f"round_time_over_floor_{label}"] = methods["dspark_static_compiled"]["ms_per_round"] / entry[
-                "floor_ms"]
+            round_ms = methods["dspark_static_compiled"]
+            summary[f"round_time_over_floor_{label}"] = round_ms.get("ms_per_steady_round",
+                                                                     round_ms["ms_per_round"]) / entry["floor_ms"]
             if "plain_static_compiled" in methods:
-                summary[f"plain_step_over_floor_{label}"] = methods["plain_static_compiled"]["ms_per_token"] / entry[
-                    "floor_ms"]
+                step_ms = methods["plain_static_compiled"]
+                summary[f"plain_step_over_floor_{label}"] = step_ms.get("ms_per_steady_token",
+                                                                        step_ms["ms_per_token"]) / entry["floor_ms"]
     fixture = entries.get("code50m")
     if fixture and "dspark_static_compiled" in fixture.get("methods", {}):
         methods = {name: row for name, row in fixture["methods"].items() if "error" not in row}
