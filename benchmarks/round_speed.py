@@ -308,7 +308,7 @@ def measure(target, drafter, prompt, new_tokens: int, assistant=None) -> dict:
             row.update(tau=stats.tau, rounds=stats.rounds, ms_per_round=1e3 * seconds / max(1, stats.rounds))
             if name.startswith("dspark_static") and stats.rounds > 1:  # the rounds after the eager first one
                 row["ms_per_steady_round"] = 1e3 * sum(stats.verify_seconds[1:]) / (stats.rounds - 1)
-        elif name.startswith("plain_static"):  # per step after the prefill (timed alone: one new token)
+        elif name in ("plain_static", "plain_static_compiled"):  # per step after the prefill (timed alone)
             _, prefill_seconds, _ = run(lambda: static_generate(target, None, prompt, 1), device)
             row.update(prefill_ms=1e3 * prefill_seconds,
                        ms_per_steady_token=1e3 * (seconds - prefill_seconds) / max(1, generated - 1))

@@ -30,6 +30,9 @@ def test_every_method_runs_and_matches_plain_decoding(smoke):
     assert set(rows) == BATCH_1
     assert all(row["matched_plain"] == 1.0 and row["tokens_per_second"] > 0 for row in rows.values())
     assert all(rows[name]["rounds"] > 0 for name in rows if name.startswith("dspark"))
+    assert all(rows[name]["ms_per_steady_round"] > 0 for name in ("dspark_static", "dspark_static_compiled"))
+    assert all(0 < rows[name]["prefill_ms"] for name in ("plain_static", "plain_static_compiled"))
+    assert not {"prefill_ms", "ms_per_steady_token"} & set(rows["plain_static_compile"])  # transformers' own loop
     lookup = rows["prompt_lookup"]  # τ from the target's forward count: at least one token per forward
     assert 1 <= lookup["rounds"] <= 12 and lookup["tau"] == pytest.approx(12 / lookup["rounds"])
 
