@@ -282,6 +282,23 @@ def measure(b, l, dtype) -> dict:
     return row
 
 
+def best_possible(measured: dict[str, float]) -> dict:
+    """The highest `fraction_of_bandwidth` any exact verifier of this API can reach when every request rejects, per
+    "dtype/l" key, and the measured fraction over it."""
+    def bound(key: str) -> float:
+        dtype, l = key.split("/l=")
+        e, l = (2 if dtype == "bfloat16" else 4), int(l)
+        return round((l + 1) * e / ((l + 1) * e + e + 4), 3)
+
+    return dict(
+        definition="upper bound on fraction_of_bandwidth for any exact verifier of this API when every request rejects "
+                   "a draft (true for almost all requests of these random inputs): besides reading the logits once it "
+                   "must read the emit row's logits and the float32 draft-probability row at the rejection, "
+                   "(l + 1) e / ((l + 1) e + e + 4) with e = bytes per logit",
+        values={key: bound(key) for key in measured},
+        measured_over_bound_cuda_graph={key: round(value / bound(key), 3) for key, value in measured.items()})
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results")
@@ -404,6 +421,7 @@ def main():
                        + ", ".join(f"b{b}_l{l}" for b, l in SWEEP_SHAPES) + " (bf16, sampling); score_ms = their sum; "
                        "the lowest score is launch_config",
             shapes=[dict(batch=b, l=l, dtype="bfloat16") for b, l in SWEEP_SHAPES], records=sweep_records),
+        best_possible_fraction_b64=best_possible(frac_g),
         gpu_correctness_triton_vs_reference=correctness,
         extra_b64=extra,
         kernel_breakdown_us_b64_l7_bf16=breakdown,
