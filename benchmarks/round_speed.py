@@ -40,9 +40,10 @@ plain greedy continuation has no eos, left-padded, repeated when fewer exist):
 - `engine_no_spec`: the same engine with `policy="none"` and no drafter (our plain batched decoding).
 
 Not measured, with the reason also in each entry's `not_measured` (method -> reason):
-- at batch > 1: `static_generate` (batch 1 only; `engine_no_spec` is our plain batched path), transformers' assisted generation and prompt lookup (its
-  `_assisted_decoding` raises for batch > 1); batched `generate(assistant_model=drafter)` is not timed separately
-  (dspark_hf routes it to the decoding core the engine runs, `SpeculativeRows`);
+- at batch > 1: `static_generate` (batch 1 only; `engine_no_spec` is our plain batched path), transformers' assisted
+  generation and prompt lookup (its `_assisted_decoding` raises for batch > 1); batched
+  `generate(assistant_model=drafter)` is not timed separately (dspark_hf routes it to the decoding core the engine
+  runs, `SpeculativeRows`);
 - `dflash_native`, transformers' DFlash path (`speculation_type="dflash"`, `DFlashTokenCandidateGenerator`),
   with our `drafters/code50m-dflash`. That generator calls `assistant_model(noise_embeds=, context_hidden_states=,
   position_ids=<context + block>, attention_mask=, past_key_values=DFlashCache)`, keeps the block's K/V in the cache
@@ -69,10 +70,10 @@ eager first one, whose context is the prompt, from its round statistics) and `pr
 and `speedup_over_fast_plain` (`dspark_static_compiled` tokens/s over the fastest of `plain_eager`,
 `plain_static_compile` and `plain_static_compiled`, named in `fast_plain_method`), with `speedup_goal` = 0.8 τ.
 A method that raises is kept as `{"error": ...}` and left out of the summary. `matched_plain`: the share of
-`plain_eager`'s tokens a method reproduced before its first difference (bf16 kernels round differently; batch > 1: the mean over rows, and
-`matched_plain_min` the worst row). The fixture's batch-1 prompt is the first HumanEval prompt whose plain greedy
-continuation has no eos within `--new-tokens` (`static_generate` runs with eos off, and `min_new_tokens` would make
-generate() suppress an eos that plain decoding wants).
+`plain_eager`'s tokens a method reproduced before its first difference (bf16 kernels round differently; batch > 1: the
+mean over rows, and `matched_plain_min` the worst row). The fixture's batch-1 prompt is the first HumanEval prompt
+whose plain greedy continuation has no eos within `--new-tokens` (`static_generate` runs with eos off, and
+`min_new_tokens` would make generate() suppress an eos that plain decoding wants).
 """
 
 from __future__ import annotations

@@ -145,10 +145,13 @@ def small_target():
     return model
 
 
+T07_TOP_P08 = LogitsProcessorList([TemperatureLogitsWarper(0.7), TopPLogitsWarper(0.8)])
+
+
 @pytest.mark.parametrize("with_drafter,sampling,processors", [
     (True, dict(temperature=1.0), LogitsProcessorList()),
-    (True, dict(temperature=0.7, top_p=0.8), LogitsProcessorList([TemperatureLogitsWarper(0.7), TopPLogitsWarper(0.8)])),
-    (False, dict(temperature=0.7, top_p=0.8), LogitsProcessorList([TemperatureLogitsWarper(0.7), TopPLogitsWarper(0.8)])),
+    (True, dict(temperature=0.7, top_p=0.8), T07_TOP_P08),
+    (False, dict(temperature=0.7, top_p=0.8), T07_TOP_P08),
 ], ids=["dspark-t1.0", "dspark-t0.7-top_p0.8", "plain-t0.7-top_p0.8"])
 def test_sampling_matches_target_distribution(small_target, with_drafter, sampling, processors):
     drafter = oracle_drafter(small_target, scale=3.0) if with_drafter else None

@@ -9,13 +9,14 @@ batch 1 with a fixed verify length, but every round is the same function of the 
   (greedy argmax, or an exponential race on noise drawn before the round, so sampling needs no generator inside),
   then the target's forward over `[anchor, γ drafts]` and, greedy, the acceptance;
 - rejected tokens are rolled back by moving each cache's write position back, inside the round;
-- the next round's anchor, positions and features stay on the device: one host synchronisation per round (the
-  accepted count and the emitted tokens, fetched together).
+- greedy decoding keeps the next round's anchor, positions and features, and a record of every round, in device
+  buffers: the host queues as many rounds as cannot overshoot `max_new_tokens` and reads their records in one
+  synchronisation; sampling verifies through `dspark_hf.verify` after each round, one synchronisation per round.
 
-`compile=True` hands the round function to `torch.compile(mode="reduce-overhead")`, which captures drafter and target
-together as one CUDA graph on a GPU (greedy; sampling verifies eagerly through `dspark_hf.verify` after the graph).
-`drafter=None` decodes plainly on the same static cache, with no host synchronisation at all when there is no eos to
-watch: the fast plain baseline a speedup is measured against. Greedy output equals plain `generate()` (float32);
+`compile=True` hands the round function to `torch.compile(mode="reduce-overhead")`, which captures drafter, target
+and (greedy) acceptance together as one CUDA graph on a GPU. `drafter=None` decodes plainly on the same static cache
+(greedy, with no eos to watch: one read of the device at the end): the fast plain baseline a speedup is measured
+against. Greedy output equals plain `generate()` (float32);
 sampling is lossless. Only temperature / top-k / top-p processing and eos / `max_new_tokens` stopping are supported.
 The drafter's features come from a `TargetLayerTap` (hooks, traced into the compiled graph), so any tapped layer works.
 """
@@ -151,7 +152,8 @@ class StaticRound:
                                                                  greedy_selector)
         tokens = logits[0].argmax(dim=-1)
         accepted = (drafts[0] == tokens[:-1]).long().cumprod(dim=0).sum()
-        return torch.cat([accepted[None], tokens]), tokens.gather(0, accepted[None]), step_features, position + accepted + 1
+        next_anchor = tokens.gather(0, accepted[None])
+        return torch.cat([accepted[None], tokens]), next_anchor, step_features, position + accepted + 1
 
     def _greedy_round_in_place(self) -> None:
         """`greedy_round` on the state buffers: records [accepted, tokens] in `record[round_index]` and advances."""
@@ -263,7 +265,8 @@ def static_generate(
     logits, features = rounds.verifier.prefill(input_ids.to(device))
     last = logits[:, -1]
     if do_sample:
-        first = race(processed_scores(last, *sampling).softmax(dim=-1), exponential_noise((1, vocab), generator, device))
+        noise = exponential_noise((1, vocab), generator, device)
+        first = race(processed_scores(last, *sampling).softmax(dim=-1), noise)
     else:
         first = last.argmax(dim=-1)
     position = torch.tensor(length, device=device)
