@@ -11,6 +11,7 @@ import torch
 from test_generation_sampling import ALPHA, NEW_TOKENS, PROMPT, chi_square_p_value, exact_distribution, oracle_drafter
 from tiny_models import install_bigram_oracle, make_bigram_like, tiny_drafter, tiny_target
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+from transformers.generation.streamers import BaseStreamer
 
 import dspark_hf  # noqa: F401
 from dspark_hf.generation import static_generate
@@ -197,3 +198,64 @@ def test_inductor_keeps_the_round_state_consistent(target):
     last = rounds.record[int(rounds.round_index) - 1]
     assert int(rounds.position - rounds.context_start) == int(last[0]) + 1
     assert int(rounds.position) == int(rounds.context_start) + drafter.generation_stats.committed[-1]
+
+
+@pytest.fixture
+def static_calls(monkeypatch):
+    """Records the keyword arguments of every `static_generate` call that generate() makes."""
+    from dspark_hf.generation import static_loop
+
+    calls = []
+    original = static_loop.static_generate
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(static_loop, "static_generate", recording)
+    return calls
+
+
+def test_generate_with_a_static_cache_runs_the_fast_path(target, static_calls):
+    """`generate(assistant_model=drafter, cache_implementation="static")` (which transformers refuses for assisted
+    generation) decodes with the static loop, exactly as plain greedy decoding, eos and budget included."""
+    good = drafters(target)["good"]
+    for ids, budget in ((torch.tensor([[5, 9, 11]]), 17), (torch.tensor([[30, 7, 4, 4]]), 40)):
+        out = target.generate(ids, assistant_model=good, cache_implementation="static", max_new_tokens=budget,
+                              do_sample=False)
+        assert torch.equal(out, plain(target, ids, budget))
+    assert len(static_calls) == 2 and static_calls[0]["eos_token_id"] == [EOS] and not static_calls[0]["do_sample"]
+    assert static_calls[0]["compile"] is False  # compiled on CUDA only
+    output = target.generate(torch.tensor([[5, 9]]), assistant_model=good, cache_implementation="static",
+                             max_new_tokens=5, return_dict_in_generate=True)
+    assert output.sequences.shape == (1, 7)
+
+
+def test_generate_with_a_static_cache_passes_the_sampling_settings_and_the_global_seed(target, static_calls):
+    good = drafters(target)["good"]
+    ids = torch.tensor([[5, 9, 11]])
+    draws = []
+    for seed in (0, 0, 1):
+        torch.manual_seed(seed)
+        draws.append(target.generate(ids, assistant_model=good, cache_implementation="static", max_new_tokens=12,
+                                     do_sample=True, temperature=0.7, top_k=9, top_p=0.8))
+    assert torch.equal(draws[0], draws[1])
+    assert {k: static_calls[0][k] for k in ("do_sample", "temperature", "top_k", "top_p")} == dict(
+        do_sample=True, temperature=pytest.approx(0.7), top_k=9, top_p=pytest.approx(0.8))
+
+
+@pytest.mark.parametrize("arguments,reason", [
+    (dict(repetition_penalty=1.3), "RepetitionPenaltyLogitsProcessor"),
+    (dict(min_new_tokens=3), "MinNewTokensLengthLogitsProcessor"),
+    (dict(max_time=10.0), "MaxTimeCriteria"),
+    (dict(dspark_policy="static_threshold", dspark_threshold=0.5), "it verifies all drafts"),
+    (dict(dspark_gamma=2), "it verifies all drafts"),
+    (dict(streamer=type("Quiet", (BaseStreamer,), dict(put=lambda self, value: None, end=lambda self: None))()),
+     "a streamer"),
+    (dict(attention_mask=torch.tensor([[0, 1, 1]])), "padded prompt"),
+    (dict(return_dict_in_generate=True, output_scores=True), "sequences only"),
+])
+def test_generate_with_a_static_cache_refuses_what_the_fast_path_cannot_do(target, arguments, reason):
+    with pytest.raises(ValueError, match=reason):
+        target.generate(torch.tensor([[5, 9, 11]]), assistant_model=drafters(target)["good"],
+                        cache_implementation="static", max_new_tokens=5, **arguments)

@@ -10,8 +10,9 @@ private `GenerationMixin` methods, and only changes their behaviour when the ass
 - `_assisted_decoding` (the decoding method `generate()` looks up for assisted generation, after preparing the
   config, masks, processors and stopping criteria): for batch size > 1 it runs `batched.batched_generate`, our
   own loop with per-row verify lengths (transformers' loop is batch-1 only); for a target flagged `_is_stateful`
-  (a cache that cannot be cropped) it runs `stateful.stateful_generate`; otherwise it goes on to the original with a
-  `TargetLayerTap` active around it (the candidate generator reads the target's hidden states from it).
+  (a cache that cannot be cropped) it runs `stateful.stateful_generate`; with `cache_implementation="static"` it
+  runs the static-cache fast path (`static_loop.static_assisted_decoding`); otherwise it goes on to the original with
+  a `TargetLayerTap` active around it (the candidate generator reads the target's hidden states from it).
 
 `install()` runs on `import dspark_hf`. It checks the transformers version and the three methods' signatures and
 refuses to patch a transformers it does not recognise, recording why in `DSparkDraftModel.hook_unavailable_reason`;
@@ -160,6 +161,13 @@ def install() -> None:
             for name in ("assistant_model", "inputs_tensor", "assistant_tokenizer"):
                 kwargs.pop(name, None)
             return stateful_generate(self, drafter, input_ids, *args, **kwargs)
+        config = kwargs.get("generation_config")
+        if config is not None and config.cache_implementation == "static":
+            from .static_loop import static_assisted_decoding
+
+            for name in ("assistant_model", "inputs_tensor", "assistant_tokenizer", "tokenizer"):
+                kwargs.pop(name, None)
+            return static_assisted_decoding(self, drafter, input_ids, *args, **kwargs)
         with TargetLayerTap(self, drafter.config.target_layer_ids) as tap:
             token = _ACTIVE_TAP.set(tap)
             try:

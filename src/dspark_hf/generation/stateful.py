@@ -41,15 +41,17 @@ from .candidate_generator import DSparkCandidateGenerator
 MAX_REFEED_BLOCKS = 4
 
 
-def _check_supported(target: PreTrainedModel, generation_config: GenerationConfig, synced_gpus: bool) -> None:
+def check_own_loop_supported(target: PreTrainedModel, generation_config: GenerationConfig, synced_gpus: bool,
+                             loop: str) -> None:
+    """Refusals shared by dspark_hf's own batch-1 loops (`loop` names the one decoding this call in the messages)."""
     if synced_gpus:
-        raise ValueError(f"DSpark decoding of {type(target).__name__} (a stateful target) does not support synced_gpus.")
+        raise ValueError(f"DSpark decoding of {type(target).__name__} ({loop}) does not support synced_gpus.")
     if generation_config.return_dict_in_generate and any(
         getattr(generation_config, flag, False)
         for flag in ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
     ):
-        raise ValueError(f"DSpark generate() on {type(target).__name__} (a stateful target, decoded by dspark_hf's own "
-                         "loop) returns sequences only: drop output_scores/output_logits/output_attentions/"
+        raise ValueError(f"DSpark generate() on {type(target).__name__} ({loop}, decoded by dspark_hf's own loop) "
+                         "returns sequences only: drop output_scores/output_logits/output_attentions/"
                          "output_hidden_states.")
     if target.config.is_encoder_decoder:
         raise ValueError("DSpark decoding supports decoder-only targets.")
@@ -69,7 +71,7 @@ def stateful_generate(
 ):
     """The decoding method `generate()` calls for a DSpark drafter, batch size 1 and a target flagged `_is_stateful`
     (same arguments as `GenerationMixin._assisted_decoding`)."""
-    _check_supported(target, generation_config, synced_gpus)
+    check_own_loop_supported(target, generation_config, synced_gpus, "a stateful target")
     cache_name = next((name for name in ALL_CACHE_NAMES if model_kwargs.get(name) is not None), None)
     if cache_name is None:
         raise ValueError("DSpark decoding needs the target's cache: do not pass use_cache=False.")

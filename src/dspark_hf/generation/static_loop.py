@@ -16,7 +16,8 @@ batch 1 with a fixed verify length, but every round is the same function of the 
 `compile=True` hands the round function to `torch.compile(mode="reduce-overhead")`, which captures drafter, target
 and (greedy) acceptance together as one CUDA graph on a GPU. `drafter=None` decodes plainly on the same static cache
 (greedy, with no eos to watch: one read of the device at the end): the fast plain baseline a speedup is measured
-against. Greedy output equals plain `generate()` (float32);
+against. `target.generate(..., assistant_model=drafter, cache_implementation="static")` at batch 1 runs this loop
+(`static_assisted_decoding`; transformers itself refuses assisted generation on a static cache). Greedy output equals plain `generate()` (float32);
 sampling is lossless. Only temperature / top-k / top-p processing and eos / `max_new_tokens` stopping are supported.
 The drafter's features come from a `TargetLayerTap` (hooks, traced into the compiled graph), so any tapped layer works.
 """
@@ -27,13 +28,25 @@ import time
 import weakref
 
 import torch
-from transformers import PreTrainedModel, StaticCache
+from transformers import (
+    GenerationConfig,
+    LogitsProcessorList,
+    PreTrainedModel,
+    StaticCache,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
+from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..models import DSparkDraftModel, TargetLayerTap
 from ..models.modeling import greedy_selector
 from ..verify import verify
 from ..verify.reference import processed_scores
 from .candidate_generator import DSparkStats
+from .policy import resolve_max_drafts, resolve_policy
+from .stateful import check_own_loop_supported
 from .target_features import check_drafter_fits_target
 
 
@@ -389,3 +402,55 @@ def sampled_dspark_loop(rounds: StaticRound, first, features, position, max_new_
         if stop is not None:
             break
     return out
+
+
+def static_assisted_decoding(
+    target: PreTrainedModel,
+    drafter: DSparkDraftModel,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config: GenerationConfig,
+    synced_gpus: bool = False,
+    streamer=None,
+    **model_kwargs,
+):
+    """What `generate(assistant_model=drafter, cache_implementation="static")` runs at batch 1 (same arguments as
+    `GenerationMixin._assisted_decoding`): `static_generate` with the call's temperature / top-k / top-p, eos and
+    length, compiled on CUDA unless `disable_compile=True`, seeded from torch's global generator. Anything else the
+    call asks for (other logits processors or stopping criteria, a streamer, a padded prompt, a scheduler policy or
+    `dspark_gamma`) is refused with the reason, never silently dropped."""
+    loop = "the static-cache fast path, cache_implementation='static'"
+    check_own_loop_supported(target, generation_config, synced_gpus, loop)
+    problems = []
+    if streamer is not None:
+        problems.append("a streamer (the fast path returns whole sequences)")
+    mask = model_kwargs.get("attention_mask")
+    if mask is not None and not bool(mask.all()):
+        problems.append("a padded prompt")
+    if resolve_policy(generation_config, drafter) is not None or resolve_max_drafts(generation_config, drafter):
+        problems.append("a scheduler policy or dspark_gamma (it verifies all drafts: pass dspark_policy='fixed')")
+    settings = {}
+    for processor in logits_processor:
+        if isinstance(processor, TemperatureLogitsWarper):
+            settings["temperature"] = float(processor.temperature)
+        elif isinstance(processor, TopKLogitsWarper):
+            settings["top_k"] = int(processor.top_k)
+        elif isinstance(processor, TopPLogitsWarper):
+            settings["top_p"] = float(processor.top_p)
+        else:
+            problems.append(type(processor).__name__)
+    problems += [type(c).__name__ for c in stopping_criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
+    if problems:
+        raise ValueError(f"{loop} supports temperature / top-k / top-p, eos and max_new_tokens only; this call also "
+                         f"asks for: {', '.join(problems)}. Drop them or cache_implementation='static'.")
+    eos = [int(token) for c in stopping_criteria if isinstance(c, EosTokenCriteria) for token in c.eos_token_id.flatten()]
+    max_length = min((c.max_length for c in stopping_criteria if isinstance(c, MaxLengthCriteria)),
+                     default=generation_config.max_length)
+    sequences = input_ids
+    if max_length > input_ids.shape[1]:
+        sequences = static_generate(
+            target, drafter, input_ids, max_length - input_ids.shape[1], do_sample=bool(generation_config.do_sample),
+            eos_token_id=eos, compile=target.device.type == "cuda" and not generation_config.disable_compile,
+            seed=int(torch.randint(0, 2**62, (1,))), **settings)
+    return GenerateDecoderOnlyOutput(sequences=sequences) if generation_config.return_dict_in_generate else sequences
