@@ -136,6 +136,9 @@ def test_refusals(target):
         static_generate(target, good, torch.tensor([[5, 6], [7, 8]]), 4)
     with pytest.raises(ValueError, match="max_new_tokens"):
         static_generate(target, good, torch.tensor([[5, 6]]), 0)
+    meta = tiny_drafter(target, block_size=5, seed=3).to("meta")  # any device other than the target's
+    with pytest.raises(ValueError, match="one device"):
+        static_generate(target, meta, torch.tensor([[5, 6]]), 4)
 
 
 @pytest.fixture(scope="module")

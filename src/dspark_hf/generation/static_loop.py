@@ -258,6 +258,10 @@ def static_generate(
     if drafter is not None:
         check_drafter_fits_target(drafter.config, target)
         drafter.share_target_weights(target)
+        if drafter.device != target.device:
+            raise ValueError(f"static_generate() runs drafter and target in one graph on one device; the drafter is on "
+                             f"{drafter.device}, the target on {target.device}. Move the drafter there, or use "
+                             "generate() without cache_implementation='static'.")
     device, length = target.device, input_ids.shape[1]
     eos = target.generation_config.eos_token_id if eos_token_id is None else eos_token_id
     eos_ids = set([eos] if isinstance(eos, int) else (eos or []))
