@@ -16,10 +16,8 @@ lossless per row.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -94,21 +92,6 @@ def check_batchable_target(target: PreTrainedModel) -> None:
                          "attn_implementation='sdpa' (or 'eager'/'flex_attention').")
     if getattr(target.config, "is_encoder_decoder", False):
         raise ValueError("Batched DSpark decoding supports decoder-only targets.")
-
-
-@contextmanager
-def _drafter_mask(drafter: DSparkDraftModel, mask: torch.Tensor):
-    """Makes `drafter.draft()` attend with `mask` ([B, 1, Q, C + Q] additive): `draft()` itself takes no mask, so its
-    forward gets it bound for the duration of the call. TODO(models): pass `attention_mask` through `draft()`."""
-    own = drafter.__dict__.get("forward")
-    drafter.forward = functools.partial(drafter.forward, attention_mask=mask)
-    try:
-        yield
-    finally:
-        if own is None:
-            del drafter.forward
-        else:
-            drafter.forward = own
 
 
 class SpeculativeRows:
@@ -228,12 +211,8 @@ class SpeculativeRows:
             position_ids=block_positions, context_position_ids=context_positions.to(device), num_tokens=budget,
             select=lambda drafted, logits: sampler.select(rows, drafted, logits),
         )
-        if supports_draft_mask(drafter):
-            proposal = drafter.draft(state.anchor.to(device), features.to(device), state.drafter_cache,
-                                     attention_mask=blocked, **arguments)
-        else:
-            with _drafter_mask(drafter, blocked):
-                proposal = drafter.draft(state.anchor.to(device), features.to(device), state.drafter_cache, **arguments)
+        proposal = drafter.draft(state.anchor.to(device), features.to(device), state.drafter_cache,
+                                 attention_mask=blocked, **arguments)
         return proposal.tokens, proposal.logits, proposal.confidence_logits
 
     def _verify_lengths(self, available: torch.LongTensor, confidence_logits: torch.Tensor | None) -> torch.LongTensor:
@@ -311,7 +290,3 @@ def ragged_drafts(drafts: torch.Tensor, lengths: torch.LongTensor) -> torch.Tens
     """[B, L, ...] -> the first `lengths[r]` entries of each row, flattened in row order."""
     keep = torch.arange(drafts.shape[1])[None, :] < lengths[:, None]
     return drafts[keep.to(drafts.device)]
-
-
-def supports_draft_mask(drafter: DSparkDraftModel) -> bool:
-    return "attention_mask" in inspect.signature(drafter.draft).parameters
