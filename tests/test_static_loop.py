@@ -153,10 +153,9 @@ T07_TOP_P08 = LogitsProcessorList([TemperatureLogitsWarper(0.7), TopPLogitsWarpe
 
 
 @pytest.mark.parametrize("with_drafter,sampling,processors", [
-    (True, dict(temperature=1.0), LogitsProcessorList()),
     (True, dict(temperature=0.7, top_p=0.8), T07_TOP_P08),
     (False, dict(temperature=0.7, top_p=0.8), T07_TOP_P08),
-], ids=["dspark-t1.0", "dspark-t0.7-top_p0.8", "plain-t0.7-top_p0.8"])
+], ids=["dspark-t0.7-top_p0.8", "plain-t0.7-top_p0.8"])  # (t = 1 without top-p is the same code with no filter)
 def test_sampling_matches_target_distribution(small_target, with_drafter, sampling, processors):
     drafter = oracle_drafter(small_target, scale=3.0) if with_drafter else None
     num_samples, counts = 2500, {}
@@ -187,10 +186,11 @@ def test_greedy_rounds_are_queued_with_fewer_host_reads_than_rounds(target, monk
     assert rounds > 10 and len(reads) < rounds / 2
 
 
-def test_inductor_keeps_the_round_state_consistent(target):
+def test_inductor_keeps_the_round_state_consistent():
     """After the last queued round the drafter's context starts where that round's anchor stood: position minus the
     tokens it committed. (Inductor once applied `context_start.copy_(position)` after updating `position`, which
-    left the output intact but fed the drafter the wrong context.)"""
+    left the output intact but fed the drafter the wrong context.) One target family: inductor compiles for ~20 s."""
+    target = make_bigram_like(tiny_target("qwen3", vocab_size=VOCAB_SIZE, eos_token_id=EOS))
     drafter = drafters(target)["good"]
     torch._dynamo.reset()
     ids = torch.tensor([[5, 9, 11]])
