@@ -17,15 +17,17 @@ batch 1 with a fixed verify length, but every round is the same function of the 
 and (greedy) acceptance together as one CUDA graph on a GPU. `drafter=None` decodes plainly on the same static cache
 (greedy, with no eos to watch: one read of the device at the end): the fast plain baseline a speedup is measured
 against. `target.generate(..., assistant_model=drafter, cache_implementation="static")` at batch 1 runs this loop
-(`static_assisted_decoding`; transformers itself refuses assisted generation on a static cache). Greedy output equals plain `generate()` (float32);
-sampling is lossless. Only temperature / top-k / top-p processing and eos / `max_new_tokens` stopping are supported.
-The drafter's features come from a `TargetLayerTap` (hooks, traced into the compiled graph), so any tapped layer works.
+(`static_assisted_decoding`; transformers itself refuses assisted generation on a static cache). Greedy output equals
+plain `generate()` (float32); sampling is lossless. Only temperature / top-k / top-p processing and eos /
+`max_new_tokens` stopping are supported. The drafter's features come from a `TargetLayerTap` (hooks, traced into the
+compiled graph), so any tapped layer works.
 """
 
 from __future__ import annotations
 
 import time
 import weakref
+from contextlib import nullcontext
 
 import torch
 from transformers import (
@@ -67,7 +69,7 @@ class StaticVerifier:
     and the drafter's features (the tapped hidden states, concatenated; None without layers); `rollback(length)`."""
 
     def __init__(self, target: PreTrainedModel, layer_ids: list[int], max_length: int):
-        self.target, self.layer_ids, self.max_length = target, list(layer_ids), max_length
+        self.target = target
         self.tap = TargetLayerTap(target, layer_ids) if layer_ids else None  # hooks live only inside `with self.tap`
         self.cache = StaticCache(config=target.config, max_cache_len=max_length)
 
@@ -81,7 +83,7 @@ class StaticVerifier:
 
     def tapping(self):
         """The context under which forwards record features (a no-op without tapped layers)."""
-        return self.tap if self.tap is not None else torch.no_grad()
+        return self.tap if self.tap is not None else nullcontext()
 
     def rollback(self, length: torch.Tensor) -> None:
         rewind(self.cache, length)
@@ -101,9 +103,8 @@ class StaticRound:
     def for_models(cls, target: PreTrainedModel, drafter: DSparkDraftModel | None, max_length: int,
                    compile: bool | dict, do_sample: bool) -> StaticRound:
         owner = drafter if drafter is not None else target
-        key = (id(target), repr(compile), do_sample)
         kept = cls._kept.get(owner)
-        if kept is None or kept.key != key or kept.max_length < max_length:
+        if kept is None or kept.key != cls.key_of(target, compile, do_sample) or kept.max_length < max_length:
             kept = cls._kept[owner] = cls(target, drafter, max_length, compile, do_sample)
         zero = torch.zeros((), dtype=torch.long, device=target.device)
         kept.verifier.rollback(zero)
@@ -111,10 +112,15 @@ class StaticRound:
             rewind(kept.drafter_cache, zero)
         return kept
 
+    @staticmethod
+    def key_of(target: PreTrainedModel, compile: bool | dict, do_sample: bool) -> tuple:
+        """What must match for a kept instance to be reused (besides fitting the length)."""
+        return id(target), repr(compile), do_sample
+
     def __init__(self, target: PreTrainedModel, drafter: DSparkDraftModel | None, max_length: int,
                  compile: bool | dict, do_sample: bool):
         self.target, self.drafter, self.max_length = target, drafter, max_length
-        self.key = (id(target), repr(compile), do_sample)
+        self.key = self.key_of(target, compile, do_sample)
         layer_ids = drafter.config.target_layer_ids if drafter is not None else []
         self.verifier = StaticVerifier(target, layer_ids, max_length)
         self.drafter_cache = StaticCache(config=drafter.config, max_cache_len=max_length) if drafter else None
@@ -298,6 +304,22 @@ def static_generate(
     return torch.cat([input_ids, torch.tensor([out], dtype=input_ids.dtype, device=input_ids.device)], dim=1)
 
 
+def commit(out: list[int], emitted: list[int], eos_ids: set[int]) -> bool:
+    """Appends `emitted` to `out` up to and including its first eos; True when an eos ended generation there."""
+    end = next((i for i, token in enumerate(emitted) if token in eos_ids), None)
+    out += emitted if end is None else emitted[: end + 1]
+    return end is not None
+
+
+def record_round(stats: DSparkStats, drafted: int, accepted: int, committed: int, seconds: float) -> None:
+    """One round in `stats`; a round is one function, so its whole time counts as verification."""
+    stats.draft_seconds.append(0.0)
+    stats.verify_seconds.append(seconds)
+    stats.drafted.append(drafted)
+    stats.accepted.append(accepted)
+    stats.committed.append(committed)
+
+
 # Rounds queued per host read when eos may end generation early (the queued rounds past an eos are wasted work).
 ROUNDS_PER_READ_WITH_EOS = 8
 
@@ -327,22 +349,12 @@ def greedy_loop(rounds: StaticRound, first, features, position, max_new_tokens, 
         per_round = drafter.config.num_draft_slots + 1
     queued = 0
     while True:
-        stop = False
         for row, seconds in pending:
             emitted = row[1: row[0] + 2] if drafter is not None else row
             if stats is not None:
-                stats.draft_seconds.append(0.0)
-                stats.verify_seconds.append(seconds)
-                stats.drafted.append(per_round - 1)
-                stats.accepted.append(row[0])
-                stats.committed.append(len(emitted))
-            end = next((i for i, token in enumerate(emitted) if token in eos_ids), None)
-            out += emitted if end is None else emitted[: end + 1]  # an accepted eos ends generation there
-            if end is not None or len(out) >= max_new_tokens:
-                stop = True
-                break
-        if stop:
-            return out
+                record_round(stats, per_round - 1, row[0], len(emitted), seconds)
+            if commit(out, emitted, eos_ids) or len(out) >= max_new_tokens:
+                return out
         count = -(-(max_new_tokens - len(out)) // per_round)
         if eos_ids:
             count = min(count, ROUNDS_PER_READ_WITH_EOS)
@@ -396,14 +408,8 @@ def sampled_dspark_loop(rounds: StaticRound, first, features, position, max_new_
         context_start, position = position, (position + accepted + 1).clone()
         step = rounds.compiled
         emitted = host[1: host[0] + 2]
-        stats.draft_seconds.append(0.0)
-        stats.verify_seconds.append(time.perf_counter() - started)
-        stats.drafted.append(gamma)
-        stats.accepted.append(host[0])
-        stats.committed.append(len(emitted))
-        stop = next((i for i, token in enumerate(emitted) if token in eos_ids), None)
-        out += emitted if stop is None else emitted[: stop + 1]  # an accepted eos ends generation there
-        if stop is not None:
+        record_round(stats, gamma, host[0], len(emitted), time.perf_counter() - started)
+        if commit(out, emitted, eos_ids):
             break
     return out
 
@@ -444,11 +450,13 @@ def static_assisted_decoding(
             settings["top_p"] = float(processor.top_p)
         else:
             problems.append(type(processor).__name__)
-    problems += [type(c).__name__ for c in stopping_criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))]
+    supported_criteria = (MaxLengthCriteria, EosTokenCriteria)
+    problems += [type(c).__name__ for c in stopping_criteria if not isinstance(c, supported_criteria)]
     if problems:
         raise ValueError(f"{loop} supports temperature / top-k / top-p, eos and max_new_tokens only; this call also "
                          f"asks for: {', '.join(problems)}. Drop them or cache_implementation='static'.")
-    eos = [int(token) for c in stopping_criteria if isinstance(c, EosTokenCriteria) for token in c.eos_token_id.flatten()]
+    eos = [int(token) for criterion in stopping_criteria if isinstance(criterion, EosTokenCriteria)
+           for token in criterion.eos_token_id.flatten()]
     max_length = min((c.max_length for c in stopping_criteria if isinstance(c, MaxLengthCriteria)),
                      default=generation_config.max_length)
     sequences = input_ids
