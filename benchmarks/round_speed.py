@@ -309,8 +309,10 @@ def measure(target, drafter, prompt, new_tokens: int, assistant=None) -> dict:
             row.update(tau=stats.tau, rounds=stats.rounds, ms_per_round=1e3 * seconds / max(1, stats.rounds))
             if name.startswith("dspark_static") and stats.rounds > 1:  # the rounds after the eager first one
                 row["ms_per_steady_round"] = 1e3 * sum(stats.verify_seconds[1:]) / (stats.rounds - 1)
-        elif name in ("plain_static", "plain_static_compiled"):  # per step after the prefill (timed alone)
-            _, prefill_seconds, _ = run(lambda: static_generate(target, None, prompt, 1), device)
+        elif name in ("plain_static", "plain_static_compiled"):  # per step after the prefill (timed alone; the
+            # same compile setting, so that the loop built for the method is reused, not replaced)
+            compiled = name == "plain_static_compiled" and device.type == "cuda"
+            _, prefill_seconds, _ = run(lambda: static_generate(target, None, prompt, 1, compile=compiled), device)
             row.update(prefill_ms=1e3 * prefill_seconds,
                        ms_per_steady_token=1e3 * (seconds - prefill_seconds) / max(1, generated - 1))
         elif forwards is not None:
