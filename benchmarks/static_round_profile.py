@@ -1,6 +1,7 @@
 """What one compiled round of the fast path costs on the GPU (diagnostic): kernels launched and their summed GPU time
 per DSpark round and per plain step, from torch.profiler (CUPTI lists the kernels inside CUDA-graph replays) over one
-timed call of `static_generate(..., compile=True)` after an identical warm-up call, greedy, eos off.
+timed call of `static_generate(..., compile=True)` after an identical warm-up call, greedy, eos off; for each
+`--attention` setting of `static_generate`.
 
     PYTHONPATH=src python benchmarks/static_round_profile.py --model code50m \
         --out benchmarks/results/static_round_profile_h200.json
@@ -38,7 +39,7 @@ def profiled(call, device: torch.device) -> dict:
             synchronize(device)
             seconds = time.perf_counter() - started
     kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:12]
+    top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:25]
     return dict(wall_s=seconds, kernels=sum(e.count for e in kernels),
                 kernel_ms=sum(e.self_device_time_total for e in kernels) / 1e3,
                 top_kernels=[dict(name=e.key[:120], count=e.count, ms=e.self_device_time_total / 1e3) for e in top])
@@ -50,20 +51,24 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--attention", nargs="+", default=["auto"], choices=["auto", "static_kernel", "model"],
+                        help="static_generate's attention setting(s); a setting other than auto suffixes the rows")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     target, drafter, prompt = round_speed.models(args.model, dtype, args.device, args.new_tokens)
     compile = target.device.type == "cuda"
     rows = {}
-    for name, model in (("plain_static_compiled", None), ("dspark_static_compiled", drafter)):
-        row = profiled(lambda: static_generate(target, model, prompt, args.new_tokens, eos_token_id=[],
-                                               compile=compile), target.device)
-        steps = drafter.generation_stats.rounds if model is not None else args.new_tokens - 1
-        row.update(steps=steps, kernels_per_step=row["kernels"] / steps, kernel_ms_per_step=row["kernel_ms"] / steps,
-                   wall_ms_per_step=1e3 * row["wall_s"] / steps)
-        rows[name] = row
-        print(name, {k: round(v, 3) for k, v in row.items() if isinstance(v, (int, float))}, flush=True)
+    for attention in args.attention:
+        suffix = "" if attention == "auto" else f"_{attention}"
+        for name, model in (("plain_static_compiled", None), ("dspark_static_compiled", drafter)):
+            row = profiled(lambda: static_generate(target, model, prompt, args.new_tokens, eos_token_id=[],
+                                                   compile=compile, attention=attention), target.device)
+            steps = drafter.generation_stats.rounds if model is not None else args.new_tokens - 1
+            row.update(steps=steps, kernels_per_step=row["kernels"] / steps,
+                       kernel_ms_per_step=row["kernel_ms"] / steps, wall_ms_per_step=1e3 * row["wall_s"] / steps)
+            rows[name + suffix] = row
+            print(name + suffix, {k: round(v, 3) for k, v in row.items() if isinstance(v, (int, float))}, flush=True)
     payload = dict(benchmark="static_round_profile", model=args.model, environment=environment(),
                    new_tokens=args.new_tokens, steps="plain: tokens after the first; dspark: compiled rounds + the "
                    "eager first round", methods=rows)

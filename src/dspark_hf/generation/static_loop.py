@@ -42,6 +42,7 @@ from transformers import (
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from ..tensor_ops import argmax_last
 from ..models import DSparkDraftModel, TargetLayerTap
 from ..models.modeling import greedy_selector
 from ..verify import verify
@@ -49,6 +50,7 @@ from ..verify.reference import processed_scores
 from .candidate_generator import DSparkStats
 from .policy import resolve_max_drafts, resolve_policy
 from .stateful import check_own_loop_supported
+from .static_attention import static_attention_available, using_static_attention
 from .target_features import check_drafter_fits_target
 
 
@@ -59,9 +61,12 @@ def rewind(cache: StaticCache, length: torch.Tensor) -> None:
             layer.cumulative_length.copy_(length)
 
 
+ATTENTION_CHOICES = ("auto", "static_kernel", "model")  # static_generate(attention=...)
+
+
 def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.LongTensor:
     """A token drawn from `probs` [B, V] by the exponential race: argmax p / E with E ~ Exp(1) (`noise` [B, V])."""
-    return (probs / noise).argmax(dim=-1)
+    return argmax_last(probs / noise)
 
 
 class StaticVerifier:
@@ -169,7 +174,7 @@ class StaticRound:
         """-> (host vector [accepted, γ + 1 target tokens], next anchor [1], next features, next position)."""
         drafts, _, logits, step_features = self._draft_and_score(anchor, features, context_start, position,
                                                                  greedy_selector)
-        tokens = logits[0].argmax(dim=-1)
+        tokens = argmax_last(logits[0])
         accepted = (drafts[0] == tokens[:-1]).long().cumprod(dim=0).sum()
         next_anchor = tokens.gather(0, accepted[None])
         return torch.cat([accepted[None], tokens]), next_anchor, step_features, position + accepted + 1
@@ -213,7 +218,7 @@ class StaticRound:
     def _greedy_plain_step(self, token, position):
         """`token` [1] at `position` -> (the next token [1], position + 1)."""
         logits, _ = self.verifier.forward(token[:, None], position.view(1, 1))
-        return logits[:, -1].argmax(dim=-1), position + 1
+        return argmax_last(logits[:, -1]), position + 1
 
     def _greedy_plain_in_place(self) -> None:
         token, position = self._greedy_plain_step(self.anchor, self.position)
@@ -247,6 +252,7 @@ def static_generate(
     eos_token_id: int | list[int] | None = None,
     compile: bool | dict = False,
     seed: int | None = None,
+    attention: str = "auto",
 ) -> torch.LongTensor:
     """`[1, L]` prompt -> `[1, L + n]` with n <= max_new_tokens (fewer when eos ends it, eos kept).
 
@@ -254,7 +260,9 @@ def static_generate(
     `compile`: True for `torch.compile(mode="reduce-overhead", dynamic=False)` of the round, or a dict of
     `torch.compile` options. `seed` seeds the draft sampling and verification noise. Round statistics go to
     `drafter.generation_stats` (as in `generate()`; a round is one function, so its whole wall-clock time is in
-    `verify_seconds` and `draft_seconds` are 0; the device is not synchronised for them)."""
+    `verify_seconds` and `draft_seconds` are 0; the device is not synchronised for them). `attention`: "auto" runs
+    target and drafter attention with the static-cache Triton kernel on CUDA (`static_attention.py`) and the models'
+    own implementation elsewhere; "static_kernel" or "model" force one."""
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"static_generate() decodes one prompt [1, L]; got shape {tuple(input_ids.shape)}.")
     if max_new_tokens < 1:
@@ -268,40 +276,47 @@ def static_generate(
             raise ValueError(f"static_generate() runs drafter and target in one graph on one device; the drafter is on "
                              f"{drafter.device}, the target on {target.device}. Move the drafter there, or use "
                              "generate() without cache_implementation='static'.")
-    device, length = target.device, input_ids.shape[1]
-    eos = target.generation_config.eos_token_id if eos_token_id is None else eos_token_id
-    eos_ids = set([eos] if isinstance(eos, int) else (eos or []))
-    generator = torch.Generator(device=device)
-    if seed is not None:
-        generator.manual_seed(seed)
-    else:
-        generator.seed()
-    sampling = ()
-    if do_sample:
-        sampling = (torch.tensor([temperature], device=device),
-                    None if top_k is None else torch.tensor([top_k], device=device),
-                    None if top_p is None else torch.tensor([top_p], device=device))
-    vocab = target.config.get_text_config().vocab_size
-    block = drafter.config.block_size if drafter is not None else 0
-    # greedy rounds are queued ahead and may run up to γ tokens past the budget
-    rounds = StaticRound.for_models(target, drafter, length + max_new_tokens + 2 * (block + 1), compile, do_sample)
-    logits, features = rounds.verifier.prefill(input_ids.to(device))
-    last = logits[:, -1]
-    if do_sample:
-        noise = exponential_noise((1, vocab), generator, device)
-        first = race(processed_scores(last, *sampling).softmax(dim=-1), noise)
-    else:
-        first = last.argmax(dim=-1)
-    position = torch.tensor(length, device=device)
-    if not do_sample:
-        out = greedy_loop(rounds, first, features, position, max_new_tokens, eos_ids)
-    elif drafter is None:
-        out = sampled_plain_loop(rounds, first, position, max_new_tokens, eos_ids, sampling, generator, vocab)
-    else:
-        out = sampled_dspark_loop(rounds, first, features, position, max_new_tokens, eos_ids, sampling, generator,
-                                  vocab)
-    out = out[:max_new_tokens]
-    return torch.cat([input_ids, torch.tensor([out], dtype=input_ids.dtype, device=input_ids.device)], dim=1)
+    if attention not in ATTENTION_CHOICES:
+        raise ValueError(f"attention must be one of {ATTENTION_CHOICES}, got {attention!r}.")
+    if attention == "static_kernel" and not static_attention_available(target.device):
+        raise ValueError("attention='static_kernel' needs Triton and a CUDA device (or TRITON_INTERPRET=1).")
+    kernel = attention == "static_kernel" or (attention == "auto" and target.device.type == "cuda"
+                                               and static_attention_available(target.device))
+    with using_static_attention(target, drafter) if kernel else nullcontext():
+        device, length = target.device, input_ids.shape[1]
+        eos = target.generation_config.eos_token_id if eos_token_id is None else eos_token_id
+        eos_ids = set([eos] if isinstance(eos, int) else (eos or []))
+        generator = torch.Generator(device=device)
+        if seed is not None:
+            generator.manual_seed(seed)
+        else:
+            generator.seed()
+        sampling = ()
+        if do_sample:
+            sampling = (torch.tensor([temperature], device=device),
+                        None if top_k is None else torch.tensor([top_k], device=device),
+                        None if top_p is None else torch.tensor([top_p], device=device))
+        vocab = target.config.get_text_config().vocab_size
+        block = drafter.config.block_size if drafter is not None else 0
+        # greedy rounds are queued ahead and may run up to γ tokens past the budget
+        rounds = StaticRound.for_models(target, drafter, length + max_new_tokens + 2 * (block + 1), compile, do_sample)
+        logits, features = rounds.verifier.prefill(input_ids.to(device))
+        last = logits[:, -1]
+        if do_sample:
+            noise = exponential_noise((1, vocab), generator, device)
+            first = race(processed_scores(last, *sampling).softmax(dim=-1), noise)
+        else:
+            first = last.argmax(dim=-1)
+        position = torch.tensor(length, device=device)
+        if not do_sample:
+            out = greedy_loop(rounds, first, features, position, max_new_tokens, eos_ids)
+        elif drafter is None:
+            out = sampled_plain_loop(rounds, first, position, max_new_tokens, eos_ids, sampling, generator, vocab)
+        else:
+            out = sampled_dspark_loop(rounds, first, features, position, max_new_tokens, eos_ids, sampling, generator,
+                                      vocab)
+        out = out[:max_new_tokens]
+        return torch.cat([input_ids, torch.tensor([out], dtype=input_ids.dtype, device=input_ids.device)], dim=1)
 
 
 def commit(out: list[int], emitted: list[int], eos_ids: set[int]) -> bool:

@@ -19,6 +19,7 @@ from transformers.cache_utils import Cache
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding
 
+from ..tensor_ops import argmax_last
 from . import placement
 from .configuration import DSparkConfig
 from .heads import ConfidenceHead, MarkovHead
@@ -38,7 +39,7 @@ TokenSelector = Callable[[torch.LongTensor, torch.Tensor], tuple[torch.LongTenso
 
 def greedy_selector(drafted: torch.LongTensor, logits: torch.Tensor) -> tuple[torch.LongTensor, torch.Tensor]:
     """Default selector: argmax of the raw logits."""
-    return logits.argmax(dim=-1), logits
+    return argmax_last(logits), logits
 
 
 @dataclass

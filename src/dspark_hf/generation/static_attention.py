@@ -1,0 +1,252 @@
+"""Attention over static KV caches for the fast path: a split-KV Triton kernel registered as a transformers
+attention implementation (`"dspark_static"`).
+
+On a static cache a decoding step attends a few queries (1 for plain decoding, γ + 1 when verifying, γ in the
+drafter) to a fixed-length K/V buffer under a mask. SDPA then runs cuDNN or memory-efficient attention, whose
+programs each walk a head's whole K/V: with 8 K/V heads at batch 1 that is 8 busy SMs of 132. On an H200 the
+memory-efficient kernel took about 16 µs per layer for 8 queries at a 4B shape
+(benchmarks/results/static_round_profile_h200.json), some 10 % of a DSpark round. This kernel gives every program
+one K/V head and a slice of the cache, with all the head's query rows (its GQA group × queries) in one tile, and a
+second kernel merges the slices (flash-decoding).
+
+The semantics are transformers' `sdpa_attention_forward`: the mask is a boolean (True: attend) or an additive float
+mask broadcastable to [B, 1, Q, K]; without one, Q > 1 is causal (SDPA's top-left alignment) unless the module says
+`is_causal = False`. Anything the kernel does not cover (dropout, a sliding window, soft-capping, a head size that is
+not a power of two, more than `MAX_ROWS` query rows per K/V head as in a prefill, no Triton, a CPU tensor outside
+the Triton interpreter) runs SDPA instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Iterator
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the kernel is optional: without Triton every call runs SDPA
+    triton = None
+
+__all__ = ["STATIC_ATTENTION", "static_attention_available", "static_cache_attention", "using_static_attention"]
+
+STATIC_ATTENTION = "dspark_static"
+BLOCK_N = 64  # keys per tile
+MAX_ROWS = 64  # query rows (GQA group × queries) per program; more (a prefill) runs SDPA
+MASK_NONE, MASK_BOOL, MASK_ADDITIVE = 0, 1, 2
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def static_attention_available(device: torch.device | str) -> bool:
+    """True when the kernel can run on `device` (CUDA with Triton, or the Triton interpreter)."""
+    return triton is not None and (torch.device(device).type == "cuda" or _interpreting())
+
+
+if triton is not None:
+
+    @triton.jit
+    def _attend_slice(
+        q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_ptr, stat_ptr,
+        sq_b, sq_h, sq_n, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, sm_b, sm_n, sm_l, so_b, so_n, so_h,
+        num_kv_heads, num_queries, kv_length, keys_per_slice, scale,
+        GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+        MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, SLICES: tl.constexpr, IEEE: tl.constexpr,
+    ):
+        """One (batch row, K/V head, cache slice): all GROUP × num_queries query rows against the slice's keys,
+        online softmax. One slice: the normalised output; several: the slice's (max, sum, accumulator)."""
+        pid = tl.program_id(0)
+        part = tl.program_id(1)
+        b = pid // num_kv_heads
+        kv_head = pid % num_kv_heads
+        rows = tl.arange(0, ROWS)
+        row_ok = rows < GROUP * num_queries
+        head = kv_head * GROUP + rows // num_queries
+        query = rows % num_queries
+        dims = tl.arange(0, HEAD_DIM)
+        q = tl.load(q_ptr + b * sq_b + head[:, None] * sq_h + query[:, None] * sq_n + dims[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        m = tl.full([ROWS], float("-inf"), tl.float32)
+        total = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+        start = part * keys_per_slice
+        end = tl.minimum(start + keys_per_slice, kv_length)
+        for first in range(start, end, BLOCK):
+            keys = first + tl.arange(0, BLOCK)
+            key_ok = keys < end
+            k = tl.load(k_ptr + b * sk_b + kv_head * sk_h + keys[:, None] * sk_l + dims[None, :],
+                        mask=key_ok[:, None], other=0.0)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = (s * scale).to(tl.float32)  # torch.compile passes a Python float `scale` as float64
+            ok = row_ok[:, None] & key_ok[None, :]
+            if MASK_KIND == 1:
+                keep = tl.load(mask_ptr + b * sm_b + query[:, None] * sm_n + keys[None, :] * sm_l, mask=ok, other=0)
+                ok = ok & (keep != 0)
+            if MASK_KIND == 2:
+                s += tl.load(mask_ptr + b * sm_b + query[:, None] * sm_n + keys[None, :] * sm_l, mask=ok,
+                             other=0.0).to(tl.float32)
+            if CAUSAL:
+                ok = ok & (keys[None, :] <= query[:, None])  # SDPA's is_causal: top-left aligned
+            s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: exp(-inf) = 0 below
+            p = tl.exp(s - shift[:, None])
+            alpha = tl.exp(m - shift)
+            total = total * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_ptr + b * sv_b + kv_head * sv_h + keys[:, None] * sv_l + dims[None, :],
+                        mask=key_ok[:, None], other=0.0)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+        if SLICES == 1:
+            out = acc / tl.where(total > 0, total, 1.0)[:, None]  # a row without keys (padding): 0
+            tl.store(out_ptr + b * so_b + query[:, None] * so_n + head[:, None] * so_h + dims[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        else:
+            base = (pid * SLICES + part) * ROWS
+            tl.store(part_ptr + (base + rows[:, None]) * HEAD_DIM + dims[None, :], acc)
+            tl.store(stat_ptr + 2 * (base + rows), m)
+            tl.store(stat_ptr + 2 * (base + rows) + 1, total)
+
+    @triton.jit
+    def _merge_slices(
+        out_ptr, part_ptr, stat_ptr, so_b, so_n, so_h, num_kv_heads, num_queries,
+        GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, SLICES: tl.constexpr,
+    ):
+        """Combines one (batch row, K/V head)'s slices: rescale each to the common maximum and normalise."""
+        pid = tl.program_id(0)
+        b = pid // num_kv_heads
+        kv_head = pid % num_kv_heads
+        rows = tl.arange(0, ROWS)
+        row_ok = rows < GROUP * num_queries
+        head = kv_head * GROUP + rows // num_queries
+        query = rows % num_queries
+        dims = tl.arange(0, HEAD_DIM)
+        m = tl.full([ROWS], float("-inf"), tl.float32)
+        for part in range(SLICES):
+            m = tl.maximum(m, tl.load(stat_ptr + 2 * ((pid * SLICES + part) * ROWS + rows)))
+        shift = tl.where(m == float("-inf"), 0.0, m)
+        total = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+        for part in range(SLICES):
+            base = (pid * SLICES + part) * ROWS
+            weight = tl.exp(tl.load(stat_ptr + 2 * (base + rows)) - shift)
+            total += weight * tl.load(stat_ptr + 2 * (base + rows) + 1)
+            acc += weight[:, None] * tl.load(part_ptr + (base + rows[:, None]) * HEAD_DIM + dims[None, :])
+        out = acc / tl.where(total > 0, total, 1.0)[:, None]
+        tl.store(out_ptr + b * so_b + query[:, None] * so_n + head[:, None] * so_h + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+_SM_COUNTS: dict[int, int] = {}  # CUDA device index -> multiprocessors, filled outside compiled code
+
+
+def _sm_count(device: torch.device) -> int:
+    return _SM_COUNTS.get(device.index, 4) if device.type == "cuda" else 4
+
+
+def _note_sm_count(device: torch.device) -> None:
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _kernel_covers(module, query, key, dropout, kwargs) -> bool:
+    head_dim = query.shape[-1]
+    rows = query.shape[1] // max(1, key.shape[1]) * query.shape[2]
+    return (rows <= MAX_ROWS and static_attention_available(query.device) and dropout == 0.0 and kwargs.get("sliding_window") is None
+            and kwargs.get("softcap") is None and not kwargs.get("output_attentions", False)
+            and 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0 and key.shape[-1] == head_dim
+            and query.shape[1] % key.shape[1] == 0 and query.dtype in (torch.float16, torch.bfloat16, torch.float32)
+            and key.dtype == query.dtype)
+
+
+def static_cache_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention interface: `query` [B, Hq, Q, D], `key` / `value` [B, Hkv, K, D] -> ([B, Q, Hq, D],
+    None), as `sdpa_attention_forward` computes it (see the module docstring)."""
+    if not _kernel_covers(module, query, key, dropout, kwargs):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    batch, num_heads, num_queries, head_dim = query.shape
+    num_kv_heads, kv_length = key.shape[1], key.shape[2]
+    group = num_heads // num_kv_heads
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = num_queries > 1 and attention_mask is None and causal
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    if key.stride(-1) != 1 or value.stride(-1) != 1:
+        key, value = key.contiguous(), value.contiguous()
+    mask_kind, mask, mask_strides = MASK_NONE, query, (0, 0, 0)
+    if attention_mask is not None:
+        mask = attention_mask.expand(batch, 1, num_queries, kv_length)
+        mask_kind = MASK_BOOL if mask.dtype == torch.bool else MASK_ADDITIVE
+        mask_strides = (mask.stride(0), mask.stride(2), mask.stride(3))
+    rows = max(16, triton.next_power_of_2(group * num_queries))
+    tiles = triton.cdiv(kv_length, BLOCK_N)
+    programs = batch * num_kv_heads
+    slices = min(tiles, max(1, _sm_count(query.device) // programs))
+    keys_per_slice = triton.cdiv(tiles, slices) * BLOCK_N
+    slices = triton.cdiv(kv_length, keys_per_slice)
+    out = query.new_empty(batch, num_queries, num_heads, head_dim)
+    parts = stats = out
+    if slices > 1:
+        parts = torch.empty(programs * slices * rows * head_dim, device=query.device, dtype=torch.float32)
+        stats = torch.empty(programs * slices * rows * 2, device=query.device, dtype=torch.float32)
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(head_dim)
+    _attend_slice[(programs, slices)](
+        query, key, value, mask, out, parts, stats,
+        query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
+        value.stride(0), value.stride(1), value.stride(2), *mask_strides, out.stride(0), out.stride(1), out.stride(2),
+        num_kv_heads, num_queries, kv_length, keys_per_slice, scale,
+        GROUP=group, ROWS=rows, HEAD_DIM=head_dim, BLOCK=BLOCK_N, MASK_KIND=mask_kind, CAUSAL=causal,
+        SLICES=slices, IEEE=query.dtype == torch.float32,
+    )
+    if slices > 1:
+        _merge_slices[(programs,)](out, parts, stats, out.stride(0), out.stride(1), out.stride(2), num_kv_heads,
+                                   num_queries, GROUP=group, ROWS=rows, HEAD_DIM=head_dim, SLICES=slices)
+    return out, None
+
+
+AttentionInterface.register(STATIC_ATTENTION, static_cache_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(STATIC_ATTENTION, sdpa_mask)  # the same boolean masks SDPA receives
+
+
+@contextlib.contextmanager
+def using_static_attention(*models: torch.nn.Module | None) -> Iterator[None]:
+    """Runs the block with `models`' attention (their configs' `_attn_implementation`) set to the static-cache
+    kernel; restores what was there afterwards."""
+    configs = [model.config for model in models if model is not None]
+    for model in models:
+        if model is not None:
+            _note_sm_count(model.device)
+    saved = [config._attn_implementation for config in configs]
+    try:
+        for config in configs:
+            config._attn_implementation = STATIC_ATTENTION
+        yield
+    finally:
+        for config, name in zip(configs, saved):
+            config._attn_implementation = name

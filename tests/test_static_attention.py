@@ -1,0 +1,116 @@
+"""The static-cache attention kernel (`generation/static_attention.py`) under TRITON_INTERPRET=1 (CPU): the same
+output as transformers' SDPA attention for boolean, additive and no masks, GQA, one and several cache slices; and
+`static_generate` with it produces the same tokens as with the model's own attention. Skipped without triton."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import types
+
+_TRITON_PREIMPORTED = "triton" in sys.modules
+if not _TRITON_PREIMPORTED:
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported (see test_verify_triton.py)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+triton = pytest.importorskip("triton")
+from tiny_models import install_bigram_oracle, make_bigram_like, tiny_drafter, tiny_target  # noqa: E402
+from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from dspark_hf.generation import static_attention, static_generate  # noqa: E402
+from dspark_hf.generation.static_attention import static_cache_attention  # noqa: E402
+
+IN_PROCESS = isinstance(triton.language.standard.zeros, InterpretedFunction)
+interp = pytest.mark.skipif(not IN_PROCESS, reason="triton imported without TRITON_INTERPRET: see test_in_child_process")
+
+
+@pytest.mark.skipif(IN_PROCESS, reason="interpreter active in this process")
+def test_in_child_process():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
+def attention_case(batch, heads, kv_heads, queries, keys, head_dim, mask_kind, module_causal=True, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    module = types.SimpleNamespace(num_key_value_groups=heads // kv_heads, is_causal=module_causal)
+    query = torch.randn(batch, queries, heads, head_dim, generator=generator).transpose(1, 2)  # as transformers has it
+    key = torch.randn(batch, kv_heads, keys, head_dim, generator=generator)
+    value = torch.randn(batch, kv_heads, keys, head_dim, generator=generator)
+    mask = None
+    if mask_kind == "bool":  # a static cache: each row's valid prefix, causal within the new queries
+        ends = torch.randint(queries, keys, (batch,), generator=generator)
+        visible = ends[:, None, None] - queries + 1 + torch.arange(queries)[None, :, None]
+        mask = (torch.arange(keys)[None, None, :] < visible)[:, None]
+    elif mask_kind == "additive":  # the drafter's kind: -inf holes and finite biases, broadcast over the batch
+        mask = torch.randn(1, 1, queries, keys, generator=generator)
+        mask = mask.masked_fill(torch.rand(1, 1, queries, keys, generator=generator) < 0.3, float("-inf"))
+        mask[..., 0] = 0.0
+    return module, query, key, value, mask
+
+
+@interp
+@pytest.mark.parametrize("slices", ["one", "several"])
+@pytest.mark.parametrize("shape,mask_kind,module_causal", [
+    ((1, 8, 4, 1, 272, 64), "bool", True),  # plain decoding step
+    ((1, 8, 4, 8, 272, 64), "bool", True),  # a verify forward over γ + 1 tokens
+    ((2, 4, 2, 3, 100, 32), "additive", True),
+    ((1, 4, 4, 5, 40, 16), None, True),  # no mask: causal, top-left as SDPA
+    ((1, 4, 2, 5, 70, 16), None, False),  # no mask, non-causal module: every key
+    ((1, 16, 4, 4, 130, 32), "bool", True),  # 16 query rows per program
+])
+def test_same_output_as_sdpa(shape, mask_kind, module_causal, slices, monkeypatch):
+    monkeypatch.setattr(static_attention, "_sm_count", lambda device: 1 if slices == "one" else 64)
+    module, query, key, value, mask = attention_case(*shape, mask_kind, module_causal)
+    launches = []
+    monkeypatch.setattr(static_attention, "_attend_slice", _Counting(static_attention._attend_slice, launches))
+    ours, _ = static_cache_attention(module, query, key, value, mask, scaling=0.3)
+    reference, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
+    assert ours.shape == reference.shape == (shape[0], shape[3], shape[1], shape[5])
+    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
+    assert len(launches) == 1 and (launches[0][1] > 1) == (slices == "several" and shape[4] > 64)
+
+
+class _Counting:
+    """Stands in for a Triton kernel: records each launch's grid, then launches."""
+
+    def __init__(self, kernel, launches):
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        self.launches.append(grid)
+        return self.kernel[grid]
+
+
+@interp
+def test_what_the_kernel_does_not_cover_runs_sdpa(monkeypatch):
+    launches = []
+    monkeypatch.setattr(static_attention, "_attend_slice", _Counting(static_attention._attend_slice, launches))
+    module, query, key, value, mask = attention_case(1, 4, 2, 40, 60, 16, "bool")  # 80 rows per program: a prefill
+    ours, _ = static_cache_attention(module, query, key, value, mask)
+    torch.testing.assert_close(ours, sdpa_attention_forward(module, query, key, value, mask)[0])
+    module, query, key, value, mask = attention_case(1, 4, 2, 2, 60, 8, "bool")  # head size 8
+    static_cache_attention(module, query, key, value, mask)
+    static_cache_attention(module, query, key, value, mask, dropout=0.1)
+    assert launches == []
+
+
+@interp
+def test_static_generate_with_the_kernel_gives_the_same_tokens(monkeypatch):
+    target = make_bigram_like(tiny_target("qwen3", vocab_size=48, eos_token_id=2, head_dim=16))
+    drafter = install_bigram_oracle(tiny_drafter(target, block_size=5, markov_rank=48, head_dim=16), target)
+    launches = []
+    monkeypatch.setattr(static_attention, "_attend_slice", _Counting(static_attention._attend_slice, launches))
+    ids = torch.tensor([[5, 9, 11, 4, 30, 8]])
+    for model in (None, drafter):
+        expected = static_generate(target, model, ids, 20, attention="model")
+        assert not launches
+        assert torch.equal(static_generate(target, model, ids, 20, attention="static_kernel"), expected)
+        assert launches  # the target's decoding steps (and the drafter's block) ran the kernel
+        launches.clear()
+    assert target.config._attn_implementation == "sdpa" and drafter.config._attn_implementation == "sdpa"
