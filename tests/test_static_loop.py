@@ -139,6 +139,8 @@ def test_refusals(target):
     meta = tiny_drafter(target, block_size=5, seed=3).to("meta")  # any device other than the target's
     with pytest.raises(ValueError, match="one device"):
         static_generate(target, meta, torch.tensor([[5, 6]]), 4)
+    with pytest.raises(ValueError, match="attention must be one of"):
+        static_generate(target, good, torch.tensor([[5, 6]]), 4, attention="flash")
 
 
 @pytest.fixture(scope="module")

@@ -42,9 +42,9 @@ from transformers import (
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from ..tensor_ops import argmax_last
 from ..models import DSparkDraftModel, TargetLayerTap
 from ..models.modeling import greedy_selector
+from ..tensor_ops import argmax_last
 from ..verify import verify
 from ..verify.reference import processed_scores
 from .candidate_generator import DSparkStats
