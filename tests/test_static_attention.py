@@ -4,36 +4,22 @@ output as transformers' SDPA attention for boolean, additive and no masks, GQA, 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import types
 
-_TRITON_PREIMPORTED = "triton" in sys.modules
-if not _TRITON_PREIMPORTED:
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported (see test_verify_triton.py)
+from triton_interpreter import child_only, interp, run_in_child_process  # first: switches the interpreter on
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-
-triton = pytest.importorskip("triton")
 from tiny_models import install_bigram_oracle, make_bigram_like, tiny_drafter, tiny_target  # noqa: E402
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from dspark_hf.generation import static_attention, static_generate  # noqa: E402
 from dspark_hf.generation.static_attention import static_cache_attention  # noqa: E402
 
-IN_PROCESS = isinstance(triton.language.standard.zeros, InterpretedFunction)
-interp = pytest.mark.skipif(not IN_PROCESS, reason="triton imported without TRITON_INTERPRET: see test_in_child_process")
 
-
-@pytest.mark.skipif(IN_PROCESS, reason="interpreter active in this process")
+@child_only
 def test_in_child_process():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    run_in_child_process(__file__, timeout=600)
 
 
 def attention_case(batch, heads, kv_heads, queries, keys, head_dim, mask_kind, module_causal=True, seed=0):

@@ -5,38 +5,22 @@ distribution test. Skipped when triton is not installed."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
-# The interpreter must be switched on before triton is first imported (triton.language's own
-# helpers are built at import time). If another module already imported triton in compiled mode,
-# these tests re-run themselves in a child process instead.
-_TRITON_PREIMPORTED = "triton" in sys.modules
-if not _TRITON_PREIMPORTED:
-    os.environ["TRITON_INTERPRET"] = "1"
+from triton_interpreter import child_only, interp, run_in_child_process  # first: switches the interpreter on
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-
-triton = pytest.importorskip("triton")
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
-
-IN_PROCESS = isinstance(triton.language.standard.zeros, InterpretedFunction)
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_verify import ALPHA, check_distribution, make_case, stat_batch  # noqa: E402
 
 from dspark_hf.verify import verify  # noqa: E402
 
-interp = pytest.mark.skipif(not IN_PROCESS, reason="triton was imported without TRITON_INTERPRET: see test_in_child_process")
 
-
-@pytest.mark.skipif(IN_PROCESS, reason="interpreter active in this process")
+@child_only
 def test_in_child_process():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    run_in_child_process(__file__, timeout=300)
 
 
 def both(*args, **kw):

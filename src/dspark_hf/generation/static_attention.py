@@ -54,6 +54,23 @@ def static_attention_available(device: torch.device | str) -> bool:
 if triton is not None:
 
     @triton.jit
+    def _query_rows(pid, num_kv_heads, num_queries, GROUP: tl.constexpr, ROWS: tl.constexpr):
+        """Program `pid`'s batch row and K/V head, and its tile rows: row r is query r % Q of head
+        kv_head · GROUP + r // Q (rows past GROUP · Q are padding)."""
+        b = pid // num_kv_heads
+        kv_head = pid % num_kv_heads
+        rows = tl.arange(0, ROWS)
+        return b, kv_head, rows, rows < GROUP * num_queries, kv_head * GROUP + rows // num_queries, rows % num_queries
+
+    @triton.jit
+    def _store_output(out_ptr, acc, total, b, query, head, row_ok, so_b, so_n, so_h, HEAD_DIM: tl.constexpr):
+        """acc / total into out[b, query, head, :]; a row without keys (padding) gets 0."""
+        dims = tl.arange(0, HEAD_DIM)
+        out = acc / tl.where(total > 0, total, 1.0)[:, None]
+        tl.store(out_ptr + b * so_b + query[:, None] * so_n + head[:, None] * so_h + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+    @triton.jit
     def _attend_slice(
         q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_ptr, stat_ptr,
         sq_b, sq_h, sq_n, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, sm_b, sm_n, sm_l, so_b, so_n, so_h,
@@ -65,12 +82,7 @@ if triton is not None:
         online softmax. One slice: the normalised output; several: the slice's (max, sum, accumulator)."""
         pid = tl.program_id(0)
         part = tl.program_id(1)
-        b = pid // num_kv_heads
-        kv_head = pid % num_kv_heads
-        rows = tl.arange(0, ROWS)
-        row_ok = rows < GROUP * num_queries
-        head = kv_head * GROUP + rows // num_queries
-        query = rows % num_queries
+        b, kv_head, rows, row_ok, head, query = _query_rows(pid, num_kv_heads, num_queries, GROUP, ROWS)
         dims = tl.arange(0, HEAD_DIM)
         q = tl.load(q_ptr + b * sq_b + head[:, None] * sq_h + query[:, None] * sq_n + dims[None, :],
                     mask=row_ok[:, None], other=0.0)
@@ -112,9 +124,7 @@ if triton is not None:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m = m_new
         if SLICES == 1:
-            out = acc / tl.where(total > 0, total, 1.0)[:, None]  # a row without keys (padding): 0
-            tl.store(out_ptr + b * so_b + query[:, None] * so_n + head[:, None] * so_h + dims[None, :],
-                     out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+            _store_output(out_ptr, acc, total, b, query, head, row_ok, so_b, so_n, so_h, HEAD_DIM)
         else:
             base = (pid * SLICES + part) * ROWS
             tl.store(part_ptr + (base + rows[:, None]) * HEAD_DIM + dims[None, :], acc)
@@ -128,12 +138,7 @@ if triton is not None:
     ):
         """Combines one (batch row, K/V head)'s slices: rescale each to the common maximum and normalise."""
         pid = tl.program_id(0)
-        b = pid // num_kv_heads
-        kv_head = pid % num_kv_heads
-        rows = tl.arange(0, ROWS)
-        row_ok = rows < GROUP * num_queries
-        head = kv_head * GROUP + rows // num_queries
-        query = rows % num_queries
+        b, kv_head, rows, row_ok, head, query = _query_rows(pid, num_kv_heads, num_queries, GROUP, ROWS)
         dims = tl.arange(0, HEAD_DIM)
         m = tl.full([ROWS], float("-inf"), tl.float32)
         for part in range(SLICES):
@@ -146,9 +151,7 @@ if triton is not None:
             weight = tl.exp(tl.load(stat_ptr + 2 * (base + rows)) - shift)
             total += weight * tl.load(stat_ptr + 2 * (base + rows) + 1)
             acc += weight[:, None] * tl.load(part_ptr + (base + rows[:, None]) * HEAD_DIM + dims[None, :])
-        out = acc / tl.where(total > 0, total, 1.0)[:, None]
-        tl.store(out_ptr + b * so_b + query[:, None] * so_n + head[:, None] * so_h + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        _store_output(out_ptr, acc, total, b, query, head, row_ok, so_b, so_n, so_h, HEAD_DIM)
 
 
 _SM_COUNTS: dict[int, int] = {}  # CUDA device index -> multiprocessors, filled outside compiled code
