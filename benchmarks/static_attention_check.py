@@ -3,7 +3,13 @@ and the 50M fixture's compiled fast path (plain and DSpark) with each attention 
 
     PYTHONPATH=src python benchmarks/static_attention_check.py --out benchmarks/results/static_attention_check_h200.json
 """
-import json, os, sys, time, types, torch
+import json
+import os
+import sys
+import time
+import types
+
+import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 import round_speed
@@ -15,7 +21,8 @@ g = torch.Generator(device="cuda").manual_seed(0)
 for n in (1, 8):
     mod = types.SimpleNamespace(num_key_value_groups=4, is_causal=True)
     q = torch.randn(1, n, 32, 128, device="cuda", generator=g, dtype=torch.bfloat16).transpose(1, 2)
-    k = torch.randn(1, 8, 272, 128, device="cuda", generator=g, dtype=torch.bfloat16); v = torch.randn_like(k)
+    k = torch.randn(1, 8, 272, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
     mask = (torch.arange(272, device="cuda")[None, :] <= (130 + torch.arange(n, device="cuda"))[:, None])[None, None]
     with decoding_attention():
         ref = sdpa_attention_forward(mod, q, k, v, mask, scaling=0.088)[0]
