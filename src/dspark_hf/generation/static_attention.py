@@ -167,11 +167,13 @@ def _note_sm_count(device: torch.device) -> None:
         _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _kernel_covers(module, query, key, dropout, kwargs) -> bool:
+def _kernel_covers(query: torch.Tensor, key: torch.Tensor, dropout: float, kwargs: dict) -> bool:
+    """Whether the kernel handles this call (see the module docstring); otherwise SDPA runs it."""
     head_dim = query.shape[-1]
     rows = query.shape[1] // max(1, key.shape[1]) * query.shape[2]
-    return (rows <= MAX_ROWS and static_attention_available(query.device) and dropout == 0.0 and kwargs.get("sliding_window") is None
-            and kwargs.get("softcap") is None and not kwargs.get("output_attentions", False)
+    return (rows <= MAX_ROWS and static_attention_available(query.device) and dropout == 0.0
+            and kwargs.get("sliding_window") is None and kwargs.get("softcap") is None
+            and not kwargs.get("output_attentions", False)
             and 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0 and key.shape[-1] == head_dim
             and query.shape[1] % key.shape[1] == 0 and query.dtype in (torch.float16, torch.bfloat16, torch.float32)
             and key.dtype == query.dtype)
@@ -190,7 +192,7 @@ def static_cache_attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers attention interface: `query` [B, Hq, Q, D], `key` / `value` [B, Hkv, K, D] -> ([B, Q, Hq, D],
     None), as `sdpa_attention_forward` computes it (see the module docstring)."""
-    if not _kernel_covers(module, query, key, dropout, kwargs):
+    if not _kernel_covers(query, key, dropout, kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     batch, num_heads, num_queries, head_dim = query.shape
