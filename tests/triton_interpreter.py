@@ -19,7 +19,7 @@ triton = pytest.importorskip("triton")
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 IN_PROCESS = isinstance(triton.language.standard.zeros, InterpretedFunction)
-interp = pytest.mark.skipif(not IN_PROCESS, reason="triton imported without TRITON_INTERPRET: see test_in_child_process")
+interp = pytest.mark.skipif(not IN_PROCESS, reason="triton was imported without the interpreter")
 child_only = pytest.mark.skipif(IN_PROCESS, reason="interpreter active in this process")
 
 
