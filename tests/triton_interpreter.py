@@ -26,6 +26,6 @@ child_only = pytest.mark.skipif(IN_PROCESS, reason="interpreter active in this p
 def run_in_child_process(test_file: str, timeout: int) -> None:
     """Runs `test_file`'s tests in a fresh interpreter with TRITON_INTERPRET=1; fails with its output if they fail."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", test_file]  # one process
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
