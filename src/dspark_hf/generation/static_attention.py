@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from collections.abc import Iterator
 
 import torch
@@ -28,27 +27,20 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from ..verify import triton_available
+
 try:
     import triton
     import triton.language as tl
 except ImportError:  # the kernel is optional: without Triton every call runs SDPA
     triton = None
 
-__all__ = ["STATIC_ATTENTION", "static_attention_available", "static_cache_attention", "using_static_attention"]
+__all__ = ["STATIC_ATTENTION", "static_cache_attention", "using_static_attention"]
 
 STATIC_ATTENTION = "dspark_static"
 BLOCK_N = 64  # keys per tile
 MAX_ROWS = 64  # query rows (GQA group × queries) per program; more (a prefill) runs SDPA
 MASK_NONE, MASK_BOOL, MASK_ADDITIVE = 0, 1, 2
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def static_attention_available(device: torch.device | str) -> bool:
-    """True when the kernel can run on `device` (CUDA with Triton, or the Triton interpreter)."""
-    return triton is not None and (torch.device(device).type == "cuda" or _interpreting())
 
 
 if triton is not None:
@@ -154,24 +146,25 @@ if triton is not None:
         _store_output(out_ptr, acc, total, b, query, head, row_ok, so_b, so_n, so_h, HEAD_DIM)
 
 
-_SM_COUNTS: dict[int, int] = {}  # CUDA device index -> multiprocessors, filled outside compiled code
+_SM_COUNTS: dict[int | None, int] = {}  # CUDA device index -> multiprocessors
 
 
 def _sm_count(device: torch.device) -> int:
-    return _SM_COUNTS.get(device.index, 4) if device.type == "cuda" else 4
-
-
-def _note_sm_count(device: torch.device) -> None:
-    if device.type == "cuda":
+    """The device's multiprocessors (4 off CUDA). Read outside compiled code and cached, so that compiled callers
+    find it (`using_static_attention` reads it before the block runs)."""
+    if device.type != "cuda":
+        return 4
+    if device.index not in _SM_COUNTS and not torch.compiler.is_compiling():
         index = device.index if device.index is not None else torch.cuda.current_device()
-        _SM_COUNTS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+        _SM_COUNTS[device.index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNTS.get(device.index, 4)
 
 
 def _kernel_covers(query: torch.Tensor, key: torch.Tensor, dropout: float, kwargs: dict) -> bool:
     """Whether the kernel handles this call (see the module docstring); otherwise SDPA runs it."""
     head_dim = query.shape[-1]
     rows = query.shape[1] // max(1, key.shape[1]) * query.shape[2]
-    return (rows <= MAX_ROWS and static_attention_available(query.device) and dropout == 0.0
+    return (rows <= MAX_ROWS and triton_available(query.device) and dropout == 0.0
             and kwargs.get("sliding_window") is None and kwargs.get("softcap") is None
             and not kwargs.get("output_attentions", False)
             and 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0 and key.shape[-1] == head_dim
@@ -246,7 +239,7 @@ def using_static_attention(*models: torch.nn.Module | None) -> Iterator[None]:
     configs = [model.config for model in models if model is not None]
     for model in models:
         if model is not None:
-            _note_sm_count(model.device)
+            _sm_count(model.device)
     saved = [config._attn_implementation for config in configs]
     try:
         for config in configs:

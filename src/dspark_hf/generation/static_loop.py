@@ -45,12 +45,12 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from ..models import DSparkDraftModel, TargetLayerTap
 from ..models.modeling import greedy_selector
 from ..tensor_ops import argmax_last
-from ..verify import verify
+from ..verify import triton_available, verify
 from ..verify.reference import processed_scores
 from .candidate_generator import DSparkStats
 from .policy import resolve_max_drafts, resolve_policy
 from .stateful import check_own_loop_supported
-from .static_attention import static_attention_available, using_static_attention
+from .static_attention import using_static_attention
 from .target_features import check_drafter_fits_target
 
 
@@ -278,10 +278,10 @@ def static_generate(
                              "generate() without cache_implementation='static'.")
     if attention not in ATTENTION_CHOICES:
         raise ValueError(f"attention must be one of {ATTENTION_CHOICES}, got {attention!r}.")
-    if attention == "static_kernel" and not static_attention_available(target.device):
+    if attention == "static_kernel" and not triton_available(target.device):
         raise ValueError("attention='static_kernel' needs Triton and a CUDA device (or TRITON_INTERPRET=1).")
     kernel = attention == "static_kernel" or (attention == "auto" and target.device.type == "cuda"
-                                               and static_attention_available(target.device))
+                                               and triton_available(target.device))
     with using_static_attention(target, drafter) if kernel else nullcontext():
         device, length = target.device, input_ids.shape[1]
         eos = target.generation_config.eos_token_id if eos_token_id is None else eos_token_id
