@@ -47,6 +47,7 @@ from ..models.modeling import greedy_selector
 from ..tensor_ops import argmax_last
 from ..verify import triton_available, verify
 from ..verify.reference import processed_scores
+from . import fused_projections
 from .candidate_generator import DSparkStats
 from .policy import resolve_max_drafts, resolve_policy
 from .stateful import check_own_loop_supported
@@ -253,6 +254,7 @@ def static_generate(
     compile: bool | dict = False,
     seed: int | None = None,
     attention: str = "auto",
+    fuse_projections: bool | None = None,
 ) -> torch.LongTensor:
     """`[1, L]` prompt -> `[1, L + n]` with n <= max_new_tokens (fewer when eos ends it, eos kept).
 
@@ -262,7 +264,9 @@ def static_generate(
     `drafter.generation_stats` (as in `generate()`; a round is one function, so its whole wall-clock time is in
     `verify_seconds` and `draft_seconds` are 0; the device is not synchronised for them). `attention`: "auto" runs
     target and drafter attention with the static-cache Triton kernel on CUDA (`static_attention.py`) and the models'
-    own implementation elsewhere; "static_kernel" or "model" force one."""
+    own implementation elsewhere; "static_kernel" or "model" force one. `fuse_projections` (default: on CUDA) computes
+    sibling projections (q/k/v, gate/up) of target and drafter as one GEMM each; it rearranges the models' weights
+    in place, invisibly to their state dicts and to code outside this loop (`fused_projections.py`)."""
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"static_generate() decodes one prompt [1, L]; got shape {tuple(input_ids.shape)}.")
     if max_new_tokens < 1:
@@ -282,7 +286,14 @@ def static_generate(
         raise ValueError("attention='static_kernel' needs Triton and a CUDA device (or TRITON_INTERPRET=1).")
     kernel = attention == "static_kernel" or (attention == "auto" and target.device.type == "cuda"
                                                and triton_available(target.device))
-    with using_static_attention(target, drafter) if kernel else nullcontext():
+    if fuse_projections is None:
+        fuse_projections = target.device.type == "cuda"
+    if fuse_projections:
+        for model in (target, drafter):
+            if model is not None:
+                fused_projections.fuse_projections(model)
+    with (using_static_attention(target, drafter) if kernel else nullcontext(),
+          fused_projections.projection_fusion() if fuse_projections else nullcontext()):
         device, length = target.device, input_ids.shape[1]
         eos = target.generation_config.eos_token_id if eos_token_id is None else eos_token_id
         eos_ids = set([eos] if isinstance(eos, int) else (eos or []))
