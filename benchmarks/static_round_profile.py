@@ -43,9 +43,10 @@ def profiled(call, device: torch.device) -> tuple[dict, torch.Tensor]:
             seconds = time.perf_counter() - started
     kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:25]
-    return dict(wall_s=seconds, kernels=sum(e.count for e in kernels),
-                kernel_ms=sum(e.self_device_time_total for e in kernels) / 1e3,
-                top_kernels=[dict(name=e.key[:120], count=e.count, ms=e.self_device_time_total / 1e3) for e in top]), output
+    row = dict(wall_s=seconds, kernels=sum(e.count for e in kernels),
+               kernel_ms=sum(e.self_device_time_total for e in kernels) / 1e3,
+               top_kernels=[dict(name=e.key[:120], count=e.count, ms=e.self_device_time_total / 1e3) for e in top])
+    return row, output
 
 
 def main() -> None:
@@ -80,8 +81,8 @@ def main() -> None:
             rows[name + suffix] = row
             print(name + suffix, {k: round(v, 3) for k, v in row.items() if isinstance(v, (int, float))}, flush=True)
     payload = dict(benchmark="static_round_profile", model=args.model, environment=environment(),
-                   new_tokens=args.new_tokens, steps="plain: tokens after the first; dspark: compiled rounds + the "
-                   "eager first round", methods=rows)
+                   new_tokens=args.new_tokens, steps="plain: tokens after the first; dspark: all rounds (the first "
+                   "is eager only after a prompt shorter than γ + 1)", methods=rows)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(payload, indent=2) + "\n")
 

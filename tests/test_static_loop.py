@@ -77,18 +77,30 @@ def counting_backend():
 
 
 @pytest.mark.parametrize("with_drafter", [True, False], ids=["dspark", "plain"])
-def test_compiled_round_is_one_graph_with_the_same_tokens(target, with_drafter):
+def test_compiled_round_is_one_graph_with_the_same_tokens(target, with_drafter, monkeypatch):
     """fullgraph=True: drafter, Markov loop, target forward and acceptance trace without a graph break; one backend
-    call over two whole generations: one shape, no recompilation (what CUDA-graph capture needs)."""
+    call over three whole generations: one shape, no recompilation (what CUDA-graph capture needs). After a prompt of
+    γ + 1 tokens or more even the first round runs compiled."""
     good = drafters(target)["good"] if with_drafter else None
     compilations, backend = counting_backend()
     torch._dynamo.reset()
     options = dict(backend=backend, fullgraph=True, dynamic=False)
-    for ids in (torch.tensor([[5, 9, 11]]), torch.tensor([[30, 7]])):  # the second call reuses the cache and graph
+    eager_rounds, round_function = [], StaticRound.greedy_round
+
+    def counted(self, *args):
+        if not torch.compiler.is_compiling():  # a round run eagerly, not one traced into the graph
+            eager_rounds.append(args)
+        return round_function(self, *args)
+
+    monkeypatch.setattr(StaticRound, "greedy_round", counted)
+    # the later calls reuse the cache and graph; a prompt of γ + 1 tokens or more starts with a compiled round
+    for ids, eager_first in ((torch.tensor([list(range(4, 16))]), 0), (torch.tensor([[5, 9, 11]]), 1),
+                             (torch.tensor([[30, 7]]), 1)):
+        eager_rounds.clear()
         compiled = static_generate(target, good, ids, 20, compile=options)
         assert torch.equal(compiled, plain(target, ids, 20))
         if with_drafter:
-            assert good.generation_stats.rounds > 2
+            assert good.generation_stats.rounds > 2 and len(eager_rounds) == eager_first
     assert len(compilations) == 1
 
 
@@ -99,9 +111,10 @@ def test_sampling_draws_the_same_tokens_eager_and_compiled(target, with_drafter)
     compilations, backend = counting_backend()
     torch._dynamo.reset()
     options = dict(backend=backend, fullgraph=True, dynamic=False)
-    ids = torch.tensor([[5, 9, 11]])
     outputs = {compile is not False: [static_generate(target, drafter, ids, 12, do_sample=True, temperature=0.8,
-                                                      top_k=20, seed=seed, compile=compile) for seed in range(4)]
+                                                      top_k=20, seed=seed, compile=compile)
+                                      for ids in (torch.tensor([list(range(4, 16))]), torch.tensor([[5, 9, 11]]))
+                                      for seed in range(4)]
                for compile in (False, options)}
     assert all(torch.equal(a, b) for a, b in zip(outputs[False], outputs[True]))
     assert len({tuple(out[0].tolist()) for out in outputs[False]}) > 1  # the seeds do change the draw

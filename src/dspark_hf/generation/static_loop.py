@@ -96,8 +96,8 @@ class StaticVerifier:
 
 
 class StaticRound:
-    """Target and drafter on static caches, and the round function over them (eager for the first round, whose
-    context is the prompt, and `compiled` for all later ones, which share one shape).
+    """Target and drafter on static caches, and the round function over them (`compiled` for every round after
+    `compiled_start`, which share one shape; eager for a first round whose context is a prompt shorter than γ + 1).
 
     `StaticRound.for_models(...)` keeps the last one built for a drafter (or a target decoding plainly) and reuses it
     while it fits, so repeated calls neither reallocate the caches nor recompile (dynamo recompiles a new instance,
@@ -140,7 +140,7 @@ class StaticRound:
             self.anchor = torch.zeros(1, dtype=torch.long, device=device)
             self.context_start = torch.zeros((), dtype=torch.long, device=device)
             self.position = torch.zeros((), dtype=torch.long, device=device)
-            self.features = None  # [1, γ + 1, K·H], allocated by the first round (the tap decides width and dtype)
+            self.features = None  # [1, γ + 1, K·H], allocated by start_greedy (the tap decides width and dtype)
             for buffer in (self.record, self.round_index, self.anchor, self.context_start, self.position):
                 torch._dynamo.mark_static_address(buffer)  # updated in place: CUDA graphs keep their addresses
         self.compiled = self.step
@@ -191,6 +191,24 @@ class StaticRound:
         self.anchor.copy_(anchor)
         self.features.copy_(features)
         self.position.copy_(position)
+
+    def compiled_start(self, features: torch.Tensor,
+                       position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Lets the first round after the prefill run compiled: writes the drafter's context K/V for all prompt
+        features `features` [1, L, K·H] but the last γ + 1 (eagerly, once), and returns those last γ + 1 with the
+        position they start at, the shape and meaning of a round's features. None when the prompt is shorter."""
+        width = self.drafter.config.num_draft_slots + 1
+        start = features.shape[1] - width
+        if start < 0:
+            return None
+        rewind(self.drafter_cache, torch.zeros_like(position))
+        if start > 0:  # the block's output is not used: only the context K/V it appends to the cache matter
+            block = torch.full((1, 1), self.drafter.config.mask_token_id, dtype=torch.long, device=position.device)
+            self.drafter(input_ids=block, target_hidden_states=features[:, :start], past_key_values=self.drafter_cache,
+                         context_position_ids=torch.arange(start, device=position.device)[None],
+                         position_ids=position.view(1, 1))
+        # a round's features have standard strides (`contiguous()` would keep the slice's batch stride)
+        return features[:, start:].clone(memory_format=torch.contiguous_format), position - width
 
     def start_greedy(self, anchor: torch.Tensor, position: torch.Tensor, features: torch.Tensor | None = None,
                      context_start: torch.Tensor | None = None) -> None:
@@ -353,7 +371,8 @@ ROUNDS_PER_READ_WITH_EOS = 8
 def greedy_loop(rounds: StaticRound, first, features, position, max_new_tokens, eos_ids) -> list:
     """Greedy decoding from state kept on the device: the host queues as many rounds as cannot overshoot the budget
     (remaining tokens / tokens per round, at most `ROUNDS_PER_READ_WITH_EOS` while an eos may come), then reads their
-    records in one synchronisation. DSpark's first round (the prompt is its context) runs eagerly first."""
+    records in one synchronisation. DSpark's first round is compiled too (`StaticRound.compiled_start`) unless the
+    prompt is shorter than γ + 1 tokens; then it runs eagerly first."""
     drafter = rounds.drafter
     out = [int(first)]
     stats = None
@@ -366,13 +385,17 @@ def greedy_loop(rounds: StaticRound, first, features, position, max_new_tokens, 
         rounds.start_greedy(first, position)
         per_round = 1
     else:
-        started = time.perf_counter()
-        with rounds.verifier.tapping():
-            host, anchor, step_features, next_position = rounds.greedy_round(first, features,
-                                                                             torch.zeros_like(position), position)
-        rounds.start_greedy(anchor, next_position, step_features, position)
-        pending.append((host.tolist(), time.perf_counter() - started))
         per_round = drafter.config.num_draft_slots + 1
+        start = rounds.compiled_start(features, position)
+        if start is not None:
+            rounds.start_greedy(first, position, *start)
+        else:  # a prompt shorter than γ + 1: the first round runs eagerly on all of it
+            started = time.perf_counter()
+            with rounds.verifier.tapping():
+                host, anchor, step_features, next_position = rounds.greedy_round(first, features,
+                                                                                 torch.zeros_like(position), position)
+            rounds.start_greedy(anchor, next_position, step_features, position)
+            pending.append((host.tolist(), time.perf_counter() - started))
     queued = 0
     while True:
         for row, seconds in pending:
@@ -411,13 +434,16 @@ def sampled_plain_loop(rounds: StaticRound, token, position, max_new_tokens, eos
 
 def sampled_dspark_loop(rounds: StaticRound, first, features, position, max_new_tokens, eos_ids, sampling, generator,
                         vocab) -> list:
-    """DSpark sampling: the first round (prompt context) eager, the rest through `rounds.compiled`, each verified by
-    `dspark_hf.verify` after the graph; one host sync per round."""
+    """DSpark sampling: every round through `rounds.compiled` (the first eagerly when the prompt is shorter than
+    γ + 1 tokens), each verified by `dspark_hf.verify` after the graph; one host sync per round."""
     drafter, device = rounds.drafter, position.device
     gamma = drafter.config.num_draft_slots
     out = [int(first)]
     stats = drafter.generation_stats = DSparkStats()
     anchor, context_start, step = first, torch.zeros((), dtype=torch.long, device=device), rounds.step
+    start = rounds.compiled_start(features, position)
+    if start is not None:
+        (features, context_start), step = start, rounds.compiled
     temperature, top_k, top_p = sampling
     while len(out) < max_new_tokens and out[-1] not in eos_ids:
         started = time.perf_counter()
