@@ -32,6 +32,8 @@ API_MODULES = [
                                                           "dspark_hf.generation.hook",
                                                           "dspark_hf.generation.profiling",
                                                           "dspark_hf.generation.static_loop",
+                                                          "dspark_hf.generation.static_attention",
+                                                          "dspark_hf.generation.fused_projections",
                                                           "dspark_hf.attention_backends"]),
     ("Evaluation", "dspark_hf.evaluation", "evaluation", None),
     ("Calibration", "dspark_hf.calibration", "calibration", None),

@@ -1,7 +1,9 @@
 """DSpark inside `generate()`: the candidate generator, the batch-1 loop for stateful targets, the hook; the batch-1
-static-cache loop (`static_generate`, experimental)."""
+static-cache loop (`static_generate`, experimental) and the fused projections it sets up (`unfuse_projections` undoes
+them)."""
 
 from .candidate_generator import DSparkCandidateGenerator, DSparkStats
+from .fused_projections import fuse_projections, unfuse_projections
 from .hook import install
 from .stateful import stateful_generate
 from .static_loop import static_generate
@@ -11,7 +13,9 @@ __all__ = [
     "DSparkCandidateGenerator",
     "DSparkStats",
     "check_drafter_fits_target",
+    "fuse_projections",
     "install",
     "stateful_generate",
     "static_generate",
+    "unfuse_projections",
 ]

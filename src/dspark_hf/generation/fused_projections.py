@@ -6,12 +6,12 @@ than reading its weight (launch, ramp-up and tail; a 1024-row K/V projection of 
 `QKVParallelLinear` and gpt-fast's `wqkv` do.
 
 `fuse_projections(model)` copies each group of sibling `nn.Linear`s (`q_proj`/`k_proj`/`v_proj`, `gate_proj`/
-`up_proj`) into one weight and makes the members' parameters views of it (no extra memory; the state dict, its names
-and values are unchanged). The members' class becomes `FusedLinear`, which still is an `nn.Linear`. Outside
+`up_proj`) into one weight and makes the members' parameters views of it (no extra memory once the old tensors are
+freed, unless something else holds them; the state dict, its names and values are unchanged). The members' class becomes `FusedLinear`, which still is an `nn.Linear`. Outside
 `projection_fusion()` a member runs its own `F.linear`, exactly as before. Inside it, a group first watches one
 forward to learn which members read the same tensor (a DSpark drafter's q reads the block, its k and v read context
 + block), then computes each run of adjacent members sharing an input as one `F.linear` and hands every member its
-slice. The model's own attention and MLP code is untouched: only what the projections compute changes, not how.
+slice. The model's attention and MLP code is untouched; the projections return the same outputs from fewer GEMMs.
 """
 
 from __future__ import annotations
@@ -132,11 +132,17 @@ def fuse_projections(model: nn.Module) -> int:
                 if group.members == members and group.intact():
                     continue
                 for member in members:
-                    member.__class__ = nn.Linear
+                    _release(member)
             if _fusable(members):
                 ProjectionGroup(members)
                 fused += 1
     return fused
+
+
+def _release(member: FusedLinear) -> None:
+    """Makes `member` a plain `nn.Linear` again, keeping its parameters as they are."""
+    member.__class__ = nn.Linear
+    del member.fusion, member.slot
 
 
 def unfuse_projections(model: nn.Module) -> None:
@@ -147,8 +153,7 @@ def unfuse_projections(model: nn.Module) -> None:
                 module.weight = nn.Parameter(module.weight.clone(), requires_grad=module.weight.requires_grad)
                 if module.bias is not None:
                     module.bias = nn.Parameter(module.bias.clone(), requires_grad=module.bias.requires_grad)
-            module.__class__ = nn.Linear
-            del module.fusion, module.slot
+            _release(module)
 
 
 @contextlib.contextmanager
