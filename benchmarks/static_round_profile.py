@@ -82,7 +82,7 @@ def main() -> None:
             print(name + suffix, {k: round(v, 3) for k, v in row.items() if isinstance(v, (int, float))}, flush=True)
     payload = dict(benchmark="static_round_profile", model=args.model, environment=environment(),
                    new_tokens=args.new_tokens, steps="plain: tokens after the first; dspark: all rounds (the first "
-                   "is eager only after a prompt shorter than γ + 1)", methods=rows)
+                   "is eager only after a prompt of at most γ + 1 tokens)", methods=rows)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(payload, indent=2) + "\n")
 

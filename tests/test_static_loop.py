@@ -79,8 +79,8 @@ def counting_backend():
 @pytest.mark.parametrize("with_drafter", [True, False], ids=["dspark", "plain"])
 def test_compiled_round_is_one_graph_with_the_same_tokens(target, with_drafter, monkeypatch):
     """fullgraph=True: drafter, Markov loop, target forward and acceptance trace without a graph break; one backend
-    call over three whole generations: one shape, no recompilation (what CUDA-graph capture needs). After a prompt of
-    γ + 1 tokens or more even the first round runs compiled."""
+    call over three whole generations: one shape, no recompilation (what CUDA-graph capture needs). After a prompt
+    longer than γ + 1 tokens even the first round runs compiled."""
     good = drafters(target)["good"] if with_drafter else None
     compilations, backend = counting_backend()
     torch._dynamo.reset()
@@ -93,12 +93,15 @@ def test_compiled_round_is_one_graph_with_the_same_tokens(target, with_drafter, 
         return round_function(self, *args)
 
     monkeypatch.setattr(StaticRound, "greedy_round", counted)
-    # the later calls reuse the cache and graph; a prompt of γ + 1 tokens or more starts with a compiled round
-    for ids, eager_first in ((torch.tensor([list(range(4, 16))]), 0), (torch.tensor([[5, 9, 11]]), 1),
-                             (torch.tensor([[30, 7]]), 1)):
+    # γ + 1 prompt tokens first (its first round is eager, so is the drafter's first forward); then 12, whose first
+    # round is compiled (within the caches' length: 14 new tokens), then 3
+    width = good.config.num_draft_slots + 1 if with_drafter else 6
+    for ids, new_tokens, eager_first in ((torch.tensor([list(range(30, 30 + width))]), 20, 1),
+                                         (torch.tensor([list(range(4, 16))]), 14, 0),
+                                         (torch.tensor([[5, 9, 11]]), 20, 1)):
         eager_rounds.clear()
-        compiled = static_generate(target, good, ids, 20, compile=options)
-        assert torch.equal(compiled, plain(target, ids, 20))
+        compiled = static_generate(target, good, ids, new_tokens, compile=options)
+        assert torch.equal(compiled, plain(target, ids, new_tokens))
         if with_drafter:
             assert good.generation_stats.rounds > 2 and len(eager_rounds) == eager_first
     assert len(compilations) == 1

@@ -6,9 +6,10 @@ than reading its weight (launch, ramp-up and tail; a 1024-row K/V projection of 
 `QKVParallelLinear` and gpt-fast's `wqkv` do.
 
 `fuse_projections(model)` copies each group of sibling `nn.Linear`s (`q_proj`/`k_proj`/`v_proj`, `gate_proj`/
-`up_proj`) into one weight and makes the members' parameters views of it (no extra memory once the old tensors are
-freed, unless something else holds them; the state dict, its names and values are unchanged). The members' class becomes `FusedLinear`, which still is an `nn.Linear`. Outside
-`projection_fusion()` a member runs its own `F.linear`, exactly as before. Inside it, a group first watches one
+`up_proj`) into one weight and makes the members' parameters views of it: no extra memory once the old tensors are
+freed (unless something else holds them), and the state dict, its names and values are unchanged. The members'
+class becomes `FusedLinear`, which still is an `nn.Linear`. Outside `projection_fusion()` a member runs its own
+`F.linear`, exactly as before. Inside it, a group first watches one
 forward to learn which members read the same tensor (a DSpark drafter's q reads the block, its k and v read context
 + block), then computes each run of adjacent members sharing an input as one `F.linear` and hands every member its
 slice. The model's attention and MLP code is untouched; the projections return the same outputs from fewer GEMMs.

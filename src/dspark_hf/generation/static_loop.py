@@ -97,7 +97,7 @@ class StaticVerifier:
 
 class StaticRound:
     """Target and drafter on static caches, and the round function over them (`compiled` for every round after
-    `compiled_start`, which share one shape; eager for a first round whose context is a prompt shorter than γ + 1).
+    `compiled_start`, which share one shape; eager for a first round after a prompt of at most γ + 1 tokens).
 
     `StaticRound.for_models(...)` keeps the last one built for a drafter (or a target decoding plainly) and reuses it
     while it fits, so repeated calls neither reallocate the caches nor recompile (dynamo recompiles a new instance,
@@ -196,17 +196,18 @@ class StaticRound:
                        position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Lets the first round after the prefill run compiled: writes the drafter's context K/V for all prompt
         features `features` [1, L, K·H] but the last γ + 1 (eagerly, once), and returns those last γ + 1 with the
-        position they start at, the shape and meaning of a round's features. None when the prompt is shorter."""
+        position they start at, the shape and meaning of a round's features. None when the prompt is not longer than
+        γ + 1 (the drafter's first forward, which sets up its cache and fused projections, must not be traced)."""
         width = self.drafter.config.num_draft_slots + 1
         start = features.shape[1] - width
-        if start < 0:
+        if start <= 0:
             return None
         rewind(self.drafter_cache, torch.zeros_like(position))
-        if start > 0:  # the block's output is not used: only the context K/V it appends to the cache matter
-            block = torch.full((1, 1), self.drafter.config.mask_token_id, dtype=torch.long, device=position.device)
-            self.drafter(input_ids=block, target_hidden_states=features[:, :start], past_key_values=self.drafter_cache,
-                         context_position_ids=torch.arange(start, device=position.device)[None],
-                         position_ids=position.view(1, 1))
+        # the block's output is not used: only the context K/V the forward appends to the cache matter
+        block = torch.full((1, 1), self.drafter.config.mask_token_id, dtype=torch.long, device=position.device)
+        self.drafter(input_ids=block, target_hidden_states=features[:, :start], past_key_values=self.drafter_cache,
+                     context_position_ids=torch.arange(start, device=position.device)[None],
+                     position_ids=position.view(1, 1))
         # a round's features have standard strides (`contiguous()` would keep the slice's batch stride)
         return features[:, start:].clone(memory_format=torch.contiguous_format), position - width
 
@@ -372,7 +373,7 @@ def greedy_loop(rounds: StaticRound, first, features, position, max_new_tokens, 
     """Greedy decoding from state kept on the device: the host queues as many rounds as cannot overshoot the budget
     (remaining tokens / tokens per round, at most `ROUNDS_PER_READ_WITH_EOS` while an eos may come), then reads their
     records in one synchronisation. DSpark's first round is compiled too (`StaticRound.compiled_start`) unless the
-    prompt is shorter than γ + 1 tokens; then it runs eagerly first."""
+    prompt has at most γ + 1 tokens; then it runs eagerly first."""
     drafter = rounds.drafter
     out = [int(first)]
     stats = None
@@ -389,7 +390,7 @@ def greedy_loop(rounds: StaticRound, first, features, position, max_new_tokens, 
         start = rounds.compiled_start(features, position)
         if start is not None:
             rounds.start_greedy(first, position, *start)
-        else:  # a prompt shorter than γ + 1: the first round runs eagerly on all of it
+        else:  # a prompt of at most γ + 1 tokens: the first round runs eagerly on all of it
             started = time.perf_counter()
             with rounds.verifier.tapping():
                 host, anchor, step_features, next_position = rounds.greedy_round(first, features,
@@ -434,7 +435,7 @@ def sampled_plain_loop(rounds: StaticRound, token, position, max_new_tokens, eos
 
 def sampled_dspark_loop(rounds: StaticRound, first, features, position, max_new_tokens, eos_ids, sampling, generator,
                         vocab) -> list:
-    """DSpark sampling: every round through `rounds.compiled` (the first eagerly when the prompt is shorter than
+    """DSpark sampling: every round through `rounds.compiled` (the first eagerly when the prompt has at most
     γ + 1 tokens), each verified by `dspark_hf.verify` after the graph; one host sync per round."""
     drafter, device = rounds.drafter, position.device
     gamma = drafter.config.num_draft_slots
