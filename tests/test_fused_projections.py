@@ -109,3 +109,15 @@ def test_a_fused_model_saves_and_loads_as_before(tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert not any(isinstance(m, FusedLinear) for m in loaded.modules())
     assert torch.allclose(logits(loaded), expected, atol=1e-6, rtol=1e-5)
+
+
+def test_projections_shared_with_another_module_stay_as_they_are():
+    model = tiny_target("llama", vocab_size=48)
+    first, second = model.model.layers[0].self_attn, model.model.layers[1].self_attn
+    second.k_proj.weight = first.k_proj.weight  # tied across layers: fusing either group would untie them
+    expected = logits(model)
+    assert fuse_projections(model) == 2 * model.config.num_hidden_layers - 2
+    assert not isinstance(first.k_proj, FusedLinear) and not isinstance(second.q_proj, FusedLinear)
+    assert second.k_proj.weight is first.k_proj.weight
+    with projection_fusion():
+        assert torch.allclose(logits(model), expected, atol=1e-6, rtol=1e-5)

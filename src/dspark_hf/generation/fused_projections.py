@@ -109,19 +109,25 @@ class FusedLinear(nn.Linear):
         return F.linear(inputs, self.weight, self.bias)
 
 
-def _fusable(members: list[nn.Module]) -> bool:
+def _fusable(members: list[nn.Module], shared: set[int]) -> bool:
+    """Plain, hook-free linears with one input size, dtype and device, all with or all without bias, none of whose
+    parameters is also another module's (`shared`: ids of parameters registered more than once; fusing would
+    untie them)."""
     first = members[0]
     return all(type(m) is nn.Linear and not (m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook"))
                and m.in_features == first.in_features and m.weight.dtype == first.weight.dtype
                and m.weight.device == first.weight.device and m.weight.device.type != "meta"
-               and m.weight.is_floating_point() and (m.bias is None) == (first.bias is None) for m in members)
+               and m.weight.is_floating_point() and (m.bias is None) == (first.bias is None)
+               and not {id(p) for p in m.parameters()} & shared for m in members)
 
 
 @torch.no_grad()
 def fuse_projections(model: nn.Module) -> int:
     """Fuses every group of sibling projections in `model` (see the module docstring); a group fused before whose
     parameters were since replaced (`.to()`, loading) is fused anew. Returns the number of groups fused now."""
-    fused = 0
+    fused, seen, shared = 0, set(), set()
+    for _, parameter in model.named_parameters(remove_duplicate=False):
+        (shared if id(parameter) in seen else seen).add(id(parameter))
     for module in model.modules():
         for names in PROJECTION_GROUPS:
             members = [getattr(module, name, None) for name in names]
@@ -134,7 +140,7 @@ def fuse_projections(model: nn.Module) -> int:
                     continue
                 for member in members:
                     _release(member)
-            if _fusable(members):
+            if _fusable(members, shared):
                 ProjectionGroup(members)
                 fused += 1
     return fused
