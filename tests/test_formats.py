@@ -10,9 +10,7 @@ import math
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_models import tiny_drafter, tiny_target
-from transformers.models.gemma4 import Gemma4ForCausalLM
-from transformers.models.gemma4.configuration_gemma4 import Gemma4TextConfig
+from tiny_models import tiny_drafter, tiny_gemma4_target, tiny_target
 
 import dspark_hf
 import dspark_hf.checkpoints as ck
@@ -154,18 +152,6 @@ def test_gemma4_layout_loads_and_matches_reference_math(tmp_path):
     conf = torch.cat([hidden, s["markov_head.markov_w1.weight"][prev]], -1) @ s["confidence_head.proj.weight"].T
     torch.testing.assert_close(proposal.confidence_logits[0], conf[:, 0] + s["confidence_head.proj.bias"], rtol=1e-4,
                                atol=1e-4)
-
-
-def tiny_gemma4_target() -> Gemma4ForCausalLM:
-    torch.manual_seed(0)
-    config = Gemma4TextConfig(
-        vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, global_head_dim=16, num_global_key_value_heads=1, attention_k_eq_v=True,
-        hidden_size_per_layer_input=0, sliding_window=8, final_logit_softcapping=30.0,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-        eos_token_id=1, pad_token_id=0, bos_token_id=None,
-    )
-    return Gemma4ForCausalLM(config).eval()
 
 
 @pytest.mark.parametrize("dspark", [True, False], ids=["dspark", "dflash"])

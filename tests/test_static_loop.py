@@ -9,12 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 from test_generation_sampling import ALPHA, NEW_TOKENS, PROMPT, chi_square_p_value, exact_distribution, oracle_drafter
-from tiny_models import install_bigram_oracle, make_bigram_like, tiny_drafter, tiny_target
-from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+from tiny_models import install_bigram_oracle, make_bigram_like, tiny_drafter, tiny_gemma4_target, tiny_target
+from transformers import LogitsProcessorList, StaticCache, TemperatureLogitsWarper, TopPLogitsWarper
 from transformers.generation.streamers import BaseStreamer
 
 import dspark_hf  # noqa: F401
 from dspark_hf.generation import static_generate
+from dspark_hf.generation.fused_projections import FusedLinear
 from dspark_hf.generation.static_loop import StaticRound, StaticVerifier
 from dspark_hf.models import TargetLayerTap
 
@@ -144,6 +145,22 @@ def test_features_come_from_the_tap_so_a_drafter_may_tap_the_last_layer(target):
     for compile in (False, options):
         assert torch.equal(static_generate(target, drafter, ids, 30, compile=compile), plain(target, ids, 30))
     assert len(compilations) == 1
+
+
+def test_a_target_whose_static_cache_cannot_roll_back_is_refused():
+    """Sliding-window layers keep a ring buffer: moving the write position back neither rolls rejected tokens back
+    nor resets it for the next call (before this check, a Gemma4 target decoded other tokens than plain decoding)."""
+    target = tiny_gemma4_target()
+    assert "StaticSlidingWindowLayer" in {type(layer).__name__ for layer in StaticCache(config=target.config,
+                                                                                         max_cache_len=32).layers}
+    ids = torch.tensor([[5, 9, 11]])
+    for drafter in (None, tiny_drafter(target, block_size=4, target_layer_ids=(0, 2))):
+        with pytest.raises(ValueError, match="StaticSlidingWindowLayer"):
+            static_generate(target, drafter, ids, 4, fuse_projections=True)
+    assert not any(isinstance(m, FusedLinear) for m in target.modules())  # refused before touching the model
+    with pytest.raises(ValueError, match="StaticSlidingWindowLayer"):
+        target.generate(ids, assistant_model=tiny_drafter(target, block_size=4, target_layer_ids=(0, 2)),
+                        cache_implementation="static", max_new_tokens=4, do_sample=False)
 
 
 def test_refusals(target):

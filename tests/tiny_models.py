@@ -12,6 +12,8 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
 )
+from transformers.models.gemma4 import Gemma4ForCausalLM
+from transformers.models.gemma4.configuration_gemma4 import Gemma4TextConfig
 
 from dspark_hf import DSparkConfig, DSparkDraftModel
 
@@ -39,6 +41,19 @@ def tiny_target(family: str = "qwen3", vocab_size: int = 96, seed: int = 0, eos_
     config = config_class(vocab_size=vocab_size, eos_token_id=eos_token_id, pad_token_id=None, bos_token_id=None,
                           **{**COMMON, **overrides})
     return model_class(config).eval()
+
+
+def tiny_gemma4_target(vocab_size: int = 96, hidden_size: int = 32) -> PreTrainedModel:
+    """A float32 random-init Gemma4 text model with sliding-window and full-attention layers (K = V, soft-capping)."""
+    torch.manual_seed(0)
+    config = Gemma4TextConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, global_head_dim=16, num_global_key_value_heads=1, attention_k_eq_v=True,
+        hidden_size_per_layer_input=0, sliding_window=8, final_logit_softcapping=30.0,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        eos_token_id=1, pad_token_id=0, bos_token_id=None,
+    )
+    return Gemma4ForCausalLM(config).eval()
 
 
 def tiny_drafter(target: PreTrainedModel, block_size: int = 4, markov_rank: int = 8, head_type: str = "vanilla",

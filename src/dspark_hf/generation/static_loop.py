@@ -39,6 +39,7 @@ from transformers import (
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
+from transformers.cache_utils import StaticLayer
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
@@ -62,6 +63,20 @@ def rewind(cache: StaticCache, length: torch.Tensor) -> None:
             layer.cumulative_length.copy_(length)
 
 
+def rewindable_cache(model: PreTrainedModel, max_length: int) -> StaticCache:
+    """`model`'s `StaticCache` for `max_length` positions, refused (ValueError) unless every layer is a full-length
+    `StaticLayer`: a sliding-window layer's ring buffer or a linear-attention state cannot be rolled back (or reused
+    by the next call) by moving a write position, so the loop would silently decode something else."""
+    cache = StaticCache(config=model.config, max_cache_len=max_length)
+    others = sorted({type(layer).__name__ for layer in cache.layers if type(layer) is not StaticLayer})
+    if others:
+        raise ValueError(f"The static-cache fast path rolls rejected tokens back by moving each cache layer's write "
+                         f"position, which only full-length StaticLayer supports; {type(model).__name__}'s static "
+                         f"cache has {', '.join(others)} layers (sliding-window or linear attention). Use generate() "
+                         "without cache_implementation='static' for this model.")
+    return cache
+
+
 ATTENTION_CHOICES = ("auto", "static_kernel", "model")  # static_generate(attention=...)
 
 
@@ -77,7 +92,7 @@ class StaticVerifier:
     def __init__(self, target: PreTrainedModel, layer_ids: list[int], max_length: int):
         self.target = target
         self.tap = TargetLayerTap(target, layer_ids) if layer_ids else None  # hooks live only inside `with self.tap`
-        self.cache = StaticCache(config=target.config, max_cache_len=max_length)
+        self.cache = rewindable_cache(target, max_length)
 
     def forward(self, ids: torch.LongTensor, positions: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         out = self.target(input_ids=ids, position_ids=positions, past_key_values=self.cache, use_cache=True)
@@ -129,7 +144,7 @@ class StaticRound:
         self.key = self.key_of(target, compile, do_sample)
         layer_ids = drafter.config.target_layer_ids if drafter is not None else []
         self.verifier = StaticVerifier(target, layer_ids, max_length)
-        self.drafter_cache = StaticCache(config=drafter.config, max_cache_len=max_length) if drafter else None
+        self.drafter_cache = rewindable_cache(drafter, max_length) if drafter else None
         if do_sample:
             self.step = self._sampled_plain_step if drafter is None else self._sampled_round
         else:  # greedy keeps its state on the device, so rounds can be queued without the host reading anything
@@ -307,10 +322,6 @@ def static_generate(
                                                and triton_available(target.device))
     if fuse_projections is None:
         fuse_projections = target.device.type == "cuda"
-    if fuse_projections:
-        for model in (target, drafter):
-            if model is not None:
-                fused_projections.fuse_projections(model)
     with (using_static_attention(target, drafter) if kernel else nullcontext(),
           fused_projections.projection_fusion() if fuse_projections else nullcontext()):
         device, length = target.device, input_ids.shape[1]
@@ -330,6 +341,10 @@ def static_generate(
         block = drafter.config.block_size if drafter is not None else 0
         # greedy rounds are queued ahead and may run up to γ tokens past the budget
         rounds = StaticRound.for_models(target, drafter, length + max_new_tokens + 2 * (block + 1), compile, do_sample)
+        if fuse_projections:  # (after the caches are accepted: a refused model is left as it was)
+            for model in (target, drafter):
+                if model is not None:
+                    fused_projections.fuse_projections(model)
         logits, features = rounds.verifier.prefill(input_ids.to(device))
         last = logits[:, -1]
         if do_sample:
