@@ -48,8 +48,8 @@ def tiny_gemma4_target(vocab_size: int = 96, hidden_size: int = 32) -> PreTraine
     torch.manual_seed(0)
     config = Gemma4TextConfig(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=64, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, global_head_dim=16, num_global_key_value_heads=1, attention_k_eq_v=True,
-        hidden_size_per_layer_input=0, sliding_window=8, final_logit_softcapping=30.0,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, global_head_dim=16, num_global_key_value_heads=1,
+        attention_k_eq_v=True, hidden_size_per_layer_input=0, sliding_window=8, final_logit_softcapping=30.0,
         layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
         eos_token_id=1, pad_token_id=0, bos_token_id=None,
     )
