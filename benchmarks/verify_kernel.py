@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import platform
@@ -102,19 +103,22 @@ def hf_loop_fn(d, logits, q, b, l):
 
 
 SWEEP_SHAPES = [(64, 7), (64, 1)]  # batch, l (bf16 logits, sampling, no filters)
-SWEEP_BUDGET_S = 60.0  # wall-clock cap of the sweep (mostly compilation of new variants)
+FILTERED = dict(top_k=50, top_p=0.9, temperature=0.8)  # the filter phase's processing (b64, l 7, bf16)
+SWEEP_BUDGET_S = 120.0  # wall-clock cap of the sweep (mostly compilation of new variants)
 
 
 def launch_sweep(reps: int = 20) -> tuple[tk.LaunchConfig, list[dict]]:
     """Coordinate search over LaunchConfig: stats kernel (block x warps x programs/SM, then
     pipelining stages of the best), then race kernel likewise with the best stats settings, then
     race pruning off. Score = sum of the CUDA-graph medians of one verify() call over
-    SWEEP_SHAPES. Returns the fastest configuration and every timing."""
-    inputs = {f"b{b}_l{l}": (make_inputs(b, l, torch.bfloat16), l) for b, l in SWEEP_SHAPES}
+    SWEEP_SHAPES. Then the top-k / top-p filter kernel (block x warps x stages), scored on one
+    FILTERED call at batch 64, l = 7. Returns the fastest configuration and every timing."""
+    inputs = {f"b{b}_l{l}": (make_inputs(b, l, torch.bfloat16), l, {}) for b, l in SWEEP_SHAPES}
+    filtered = {"b64_l7_filtered": (make_inputs(64, 7, torch.bfloat16), 7, FILTERED)}
     records: list[dict] = []
     t0 = time.time()
 
-    def score(cfg: tk.LaunchConfig, phase: str) -> float:
+    def score(cfg: tk.LaunchConfig, phase: str, shapes: dict = inputs) -> float:
         rec = dict(phase=phase, config=cfg.as_dict(), times_ms={})
         if time.time() - t0 > SWEEP_BUDGET_S:
             rec["skipped"] = "sweep time budget spent"
@@ -122,9 +126,9 @@ def launch_sweep(reps: int = 20) -> tuple[tk.LaunchConfig, list[dict]]:
             return float("inf")
         prev = tk.set_launch_config(cfg)
         try:
-            for name, ((d, nd, logits, q, seeds), l) in inputs.items():
-                def fn(d=d, nd=nd, logits=logits, q=q, seeds=seeds, l=l):
-                    return verify(d, nd, logits, q, seeds=seeds, max_draft_len=l, backend="triton")
+            for name, ((d, nd, logits, q, seeds), l, kw) in shapes.items():
+                def fn(d=d, nd=nd, logits=logits, q=q, seeds=seeds, l=l, kw=kw):
+                    return verify(d, nd, logits, q, seeds=seeds, max_draft_len=l, backend="triton", **kw)
 
                 rec["times_ms"][name] = graph_time(fn, reps, inner=4)
             rec["score_ms"] = sum(rec["times_ms"].values())
@@ -162,6 +166,11 @@ def launch_sweep(reps: int = 20) -> tuple[tk.LaunchConfig, list[dict]]:
         t = score(cfg, "race_prune")
         if t < best_t:
             best, best_t = cfg, t
+    best_f = score(best, "filter_default", filtered)
+    for block, warps, stages in itertools.product((256, 512, 1024), (4, 8), (1, 2, 3)):
+        cfg = replace(best, filter_block=block, filter_warps=warps, filter_stages=stages)
+        if cfg != best and (t := score(cfg, "filter", filtered)) < best_f:
+            best, best_f = cfg, t
     torch.cuda.empty_cache()
     return best, records
 
@@ -343,7 +352,7 @@ def main():
     # filtered (top-k 50, top-p 0.9) and greedy variants at batch 64, l = 7, bf16
     extra = []
     d, nd, logits, q, seeds = make_inputs(64, 7, torch.bfloat16)
-    for name, kw in [("greedy", dict(do_sample=False)), ("topk50_topp0.9_T0.8", dict(top_k=50, top_p=0.9, temperature=0.8))]:
+    for name, kw in [("greedy", dict(do_sample=False)), ("topk50_topp0.9_T0.8", FILTERED)]:
         t_tri = cuda_time(lambda: verify(d, nd, logits, q, seeds=seeds, max_draft_len=7, backend="triton", **kw), 10)
         t_ref = cuda_time(lambda: verify(d, nd, logits, q, seeds=seeds, max_draft_len=7, backend="torch", **kw), 3)
         t_tri_g = maybe(lambda: graph_time(lambda: verify(d, nd, logits, q, seeds=seeds, max_draft_len=7, backend="triton", **kw), 10))
@@ -417,9 +426,10 @@ def main():
         launch_config=launch_config,
         launch_sweep=None if sweep_records is None else dict(
             definition="coordinate search over triton_kernel.LaunchConfig (stats kernel, then race kernel, then race "
-                       "pruning); times_ms = CUDA-graph replay median of one verify() call (4 calls per graph) at "
-                       + ", ".join(f"b{b}_l{l}" for b, l in SWEEP_SHAPES) + " (bf16, sampling); score_ms = their sum; "
-                       "the lowest score is launch_config",
+                       "pruning, scored on " + ", ".join(f"b{b}_l{l}" for b, l in SWEEP_SHAPES) + " (bf16, sampling, "
+                       "score_ms = their sum); then the filter kernel, scored on b64_l7_filtered (bf16, " + str(FILTERED)
+                       + ")); times_ms = CUDA-graph replay median of one verify() call (4 calls per graph); the "
+                       "lowest scores are launch_config",
             shapes=[dict(batch=b, l=l, dtype="bfloat16") for b, l in SWEEP_SHAPES], records=sweep_records),
         best_possible_fraction_b64=best_possible(frac_g),
         gpu_correctness_triton_vs_reference=correctness,

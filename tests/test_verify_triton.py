@@ -94,6 +94,35 @@ def test_distribution_triton(pair):
 
 
 @interp
+def test_top_k_candidates_identical(monkeypatch):
+    """The top-k filter searches the values it gathered above a lower bound of the k-th largest;
+    when they do not fit its buffer (here 16 values; also rows of equal logits, where every value
+    ties) it searches the whole row. Both give the reference's tokens."""
+    from dspark_hf.verify import triton_kernel as tk
+
+    lens = [2, 3, 1, 2]
+    d, nd, logits, q = make_case(lens, V=700, seed=12, closeness=0.8)
+    logits[3:6] = 0.25  # request 1: every value ties
+    gathered = []
+    gather = tk._gather_at_least
+
+    def counting(*a, **kw):
+        n = gather(*a, **kw)
+        gathered.append(int(n))
+        return n
+
+    monkeypatch.setattr(tk, "_gather_at_least", counting)
+    kw = dict(top_k=torch.tensor([3, 2, 40, 7]), top_p=torch.tensor([1.0, 0.9, 0.8, 1.0]),
+              temperature=torch.tensor([1.0, 0.8, 1.0, 1.2]), seeds=torch.arange(4) + 5)
+    both(d, nd, logits, q, **kw)
+    assert max(gathered) == 700 and min(gathered) < tk.FILTER_CANDIDATES, gathered  # tied rows: all
+    monkeypatch.setattr(tk, "FILTER_CANDIDATES", 16)
+    gathered.clear()
+    both(d, nd, logits, q, **kw)
+    assert any(n > 16 for n in gathered) and any(n <= 16 for n in gathered), gathered
+
+
+@interp
 def test_launch_configs_identical(monkeypatch):
     """Non-default LaunchConfigs (many chunks, masked tails, tl.range pipelining, race pruning on
     and off) give the reference's tokens, through verify_triton(config=...) and set_launch_config."""
@@ -111,7 +140,8 @@ def test_launch_configs_identical(monkeypatch):
     )
     cfgs = [
         tk.LaunchConfig(stats_block=32, stats_warps=1, stats_programs_per_sm=40, stats_stages=2,
-                        race_block=16, race_warps=2, race_programs_per_sm=7, race_stages=3),
+                        race_block=16, race_warps=2, race_programs_per_sm=7, race_stages=3,
+                        filter_block=64, filter_warps=2, filter_stages=3),
         tk.LaunchConfig(stats_block=64, stats_programs_per_sm=3, race_block=32, race_programs_per_sm=2,
                         race_prune=False),
     ]
@@ -156,3 +186,22 @@ def test_race_pruning_skips_tiles_exactly(monkeypatch):
     finally:
         tk.set_launch_config(prev)
     assert 0 < calls["keys"] < calls["tile"] // 4, calls
+
+    # the bounds start at the keys of the emit row's argmax: without that seed (bounds 0, every
+    # program's first tile computed in full) the race computes the noise of more tiles
+    seeded = dict(calls)
+    seed = tk._race_keys_of_lane
+
+    def unseeded(*a, **kw):
+        b_r, b_p = seed(*a, **kw)
+        return b_r * 0.0, b_p * 0.0
+
+    monkeypatch.setattr(tk, "_race_keys_of_lane", unseeded)
+    calls.update(tile=0, keys=0)
+    prev = tk.set_launch_config(tk.LaunchConfig(race_block=32, race_programs_per_sm=4))
+    try:
+        for draft_q in (q, None):
+            both(d, nd, logits, draft_q, seeds=11)
+    finally:
+        tk.set_launch_config(prev)
+    assert calls["tile"] == seeded["tile"] and seeded["keys"] < calls["keys"], (seeded, calls)

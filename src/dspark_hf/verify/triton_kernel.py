@@ -16,7 +16,8 @@ Launches (all asynchronous, no host synchronisation, no torch kernels in between
 4. ``_race_kernel``, grid (requests, vocab chunks): at the emit row only, the exponential race
    ``argmax max(p - q, 0) / E`` and ``argmax p / E`` with E drawn in-kernel (never stored).
    With ``LaunchConfig.race_prune``, tiles in which no lane can reach a key already computed for
-   the request (bounds shared through an atomic max) skip E's log/series and divisions (exact).
+   the request (bounds shared through an atomic max, seeded by 3 with the keys of the emit row's
+   argmax) skip E's log/series and divisions (exact).
 5. ``_finalize_kernel``, one program per request: merges the race partials, writes the token.
 
 Kernels 1-3 compute a request's flat offset ``sum(num_drafts[:r])`` themselves (a masked sum
@@ -43,11 +44,13 @@ import triton.language as tl
 from . import rng
 
 OFF_BLOCK = 128  # num_drafts entries summed per step when a kernel computes a request's offset
+FILTER_CANDIDATES = 2048  # values per row the top-k filter gathers before its searches
 
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """Launch shape of ``_stats_kernel`` (every target row) and ``_race_kernel`` (emit rows).
+    """Launch shape of ``_stats_kernel`` (every target row), ``_race_kernel`` (emit rows) and
+    ``_filter_kernel`` (one program per row to filter; no ``programs_per_sm``).
 
     ``*_block``: vocab entries per tile (power of two; capped at next_power_of_2(V)).
     ``*_warps``: num_warps. ``*_programs_per_sm``: the vocab is split into chunks so that about
@@ -55,9 +58,11 @@ class LaunchConfig:
     ``*_stages``: ``tl.range(num_stages=...)`` software pipelining of the tile loads; 1 = a
     plain loop. ``race_prune``: skip the noise of race tiles that provably cannot win (exact; see
     ``_race_tile``). Results do not depend on the configuration beyond float32 rounding of the
-    softmax denominators (the chunking changes the summation order). The defaults are the fastest
-    configuration of ``benchmarks/verify_kernel.py --sweep`` on an H200 (triton 3.6; the sweep's
-    records are in ``benchmarks/results/verify_kernel_h200.json``)."""
+    softmax denominators and of the top-p mass (the chunking and the filter's block change the summation order). The defaults come from
+    ``benchmarks/verify_kernel.py --sweep`` on an H200 (triton 3.6): stats and race from the sweep
+    of 2026-11-30 (a later sweep's pick was within its noise on the two shapes it scores and slower
+    at l = 15), filter from the sweep of 2026-12-01 (0.58 ms against 0.70 ms unpipelined at batch
+    64, l = 7, top-k 50 / top-p 0.9)."""
 
     stats_block: int = 2048
     stats_warps: int = 4
@@ -68,6 +73,9 @@ class LaunchConfig:
     race_programs_per_sm: int = 16
     race_stages: int = 3
     race_prune: bool = True
+    filter_block: int = 256
+    filter_warps: int = 4
+    filter_stages: int = 3
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -144,7 +152,8 @@ def _float_of(k):
 
 
 @triton.jit
-def _radix_search(base, V, temp, lo_key, m, bound, USE_MASS: tl.constexpr, BLOCK: tl.constexpr):
+def _radix_search(base, V, temp, lo_key, m, bound, USE_MASS: tl.constexpr, BLOCK: tl.constexpr,
+                  STAGES: tl.constexpr):
     """Smallest uint32 key K with  sum_{v: key_v > K, key_v >= lo_key} w_v  <  bound,
     w_v = exp(s_v - m) (USE_MASS) or 1."""
     probe_digits = tl.arange(0, 16).to(tl.uint32)
@@ -153,8 +162,8 @@ def _radix_search(base, V, temp, lo_key, m, bound, USE_MASS: tl.constexpr, BLOCK
         shift = 28 - 4 * rnd
         low = tl.full((), (1 << shift) - 1, tl.uint32)
         probes = prefix | (probe_digits << shift) | low
-        acc = tl.zeros([16], dtype=tl.float32)
-        for start in range(0, V, BLOCK):
+        acc = tl.zeros([BLOCK, 16], dtype=tl.float32)  # per lane; reduced once after the pass
+        for start in tl.range(0, V, BLOCK, num_stages=STAGES):
             offs = start + tl.arange(0, BLOCK)
             mask = offs < V
             s = tl.load(base + offs, mask=mask, other=float("-inf")).to(tl.float32) * temp
@@ -165,11 +174,27 @@ def _radix_search(base, V, temp, lo_key, m, bound, USE_MASS: tl.constexpr, BLOCK
             else:
                 w = tl.where(ok, 1.0, 0.0)
             gt = key[:, None] > probes[None, :]
-            acc += tl.sum(tl.where(gt, w[:, None], 0.0), axis=0)
-        fails = tl.where((acc >= bound) & (probe_digits < 15), 1, 0)
+            acc += tl.where(gt, w[:, None], 0.0)
+        fails = tl.where((tl.sum(acc, axis=0) >= bound) & (probe_digits < 15), 1, 0)
         digit = tl.sum(fails, axis=0).to(tl.uint32)
         prefix = prefix | (digit << shift)
     return prefix
+
+
+@triton.jit
+def _gather_at_least(base, V, temp, lower, out, CAND: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):
+    """Copies the raw values v of row ``base`` with ``v * temp >= lower`` to ``out`` (the first CAND
+    of them, in order); returns how many there are (may exceed CAND)."""
+    n = tl.full((), 0, tl.int32)
+    for start in tl.range(0, V, BLOCK, num_stages=STAGES):
+        offs = start + tl.arange(0, BLOCK)
+        x = tl.load(base + offs, mask=offs < V, other=float("-inf"))
+        keep = ((offs < V) & (x.to(tl.float32) * temp >= lower)).to(tl.int32)
+        at = n + tl.cumsum(keep, axis=0) - keep
+        tl.store(out + at, x, mask=(keep != 0) & (at < CAND))
+        n += tl.sum(keep, axis=0)
+    tl.debug_barrier()  # the searches read what other threads wrote
+    return n
 
 
 @triton.jit
@@ -185,8 +210,9 @@ def _offset_of(nd_ptr, r, OFF_B: tl.constexpr):
 @triton.jit(do_not_specialize=["ds_s", "temp_s", "topk_s", "topp_s"])
 def _filter_kernel(
     logits_ptr, stride_l, nd_ptr, ds_ptr, ds_s, temp_ptr, temp_s, topk_ptr, topk_s, topp_ptr, topp_s,
-    thr_ptr, V,
-    HAS_K: tl.constexpr, HAS_P: tl.constexpr, BLOCK: tl.constexpr, OFF_B: tl.constexpr,
+    thr_ptr, cand_ptr, V,
+    HAS_K: tl.constexpr, HAS_P: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr, CAND: tl.constexpr,
+    OFF_B: tl.constexpr,
 ):
     req = tl.program_id(0)
     j = tl.program_id(1)
@@ -194,14 +220,19 @@ def _filter_kernel(
     if j <= tl.load(nd_ptr + req):
         row = off + req + j
         _filter_row(logits_ptr, stride_l, row, req, ds_ptr, ds_s, temp_ptr, temp_s, topk_ptr, topk_s,
-                    topp_ptr, topp_s, thr_ptr, V, HAS_K, HAS_P, BLOCK)
+                    topp_ptr, topp_s, thr_ptr, cand_ptr, V, HAS_K, HAS_P, BLOCK, STAGES, CAND)
 
 
 @triton.jit
 def _filter_row(
     logits_ptr, stride_l, row, req, ds_ptr, ds_s, temp_ptr, temp_s, topk_ptr, topk_s, topp_ptr, topp_s,
-    thr_ptr, V, HAS_K: tl.constexpr, HAS_P: tl.constexpr, BLOCK: tl.constexpr,
+    thr_ptr, cand_ptr, V, HAS_K: tl.constexpr, HAS_P: tl.constexpr, BLOCK: tl.constexpr,
+    STAGES: tl.constexpr, CAND: tl.constexpr,
 ):
+    """The processed-logit threshold of one row (-inf: unfiltered). With a top k of at most BLOCK,
+    the row's values above a lower bound of the k-th largest are first gathered into ``cand_ptr``
+    (at most CAND of them; more: the searches read the whole row), so that the radix searches
+    read those few values instead of the row 17 times."""
     ds = tl.load(ds_ptr + req * ds_s) != 0
     temp = 1.0 / tl.load(temp_ptr + req * temp_s)  # used as a multiplier
     thr = tl.full((), float("-inf"), tl.float32)
@@ -216,24 +247,36 @@ def _filter_row(
     need_p = ds & (top_p < 1.0)
     if need_k | need_p:
         m_vec = tl.full([BLOCK], float("-inf"), tl.float32)
-        for start in range(0, V, BLOCK):
+        for start in tl.range(0, V, BLOCK, num_stages=STAGES):
             offs = start + tl.arange(0, BLOCK)
             s = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * temp
             m_vec = tl.maximum(m_vec, s)
         m = tl.max(m_vec, axis=0)
         lo_key = tl.full((), 0, tl.uint32)
+        src = base  # the values both searches read: the row, or its candidates for the top k
+        n = V
         if need_k:
-            lo_key = _radix_search(base, V, temp, lo_key, m, k.to(tl.float32), False, BLOCK)
+            # The lanes' maxima are maxima of disjoint subsets, so their k-th largest is at most the
+            # row's: every value of the top k (and of top-p within it) is at least that bound.
+            if k <= BLOCK:
+                lane_max = tl.sort(m_vec, descending=True)
+                bound_k = tl.sum(tl.where(tl.arange(0, BLOCK) == k - 1, lane_max, 0.0), axis=0)
+                n_cand = _gather_at_least(base, V, temp, bound_k, cand_ptr + row.to(tl.int64) * CAND, CAND,
+                                          BLOCK, STAGES)
+                if n_cand <= CAND:
+                    src = cand_ptr + row.to(tl.int64) * CAND
+                    n = n_cand
+            lo_key = _radix_search(src, n, temp, lo_key, m, k.to(tl.float32), False, BLOCK, STAGES)
         thr_key = lo_key
         if need_p:
             zk = tl.zeros([BLOCK], dtype=tl.float32)
-            for start in range(0, V, BLOCK):
+            for start in tl.range(0, n, BLOCK, num_stages=STAGES):
                 offs = start + tl.arange(0, BLOCK)
-                mask = offs < V
-                s = tl.load(base + offs, mask=mask, other=float("-inf")).to(tl.float32) * temp
+                mask = offs < n
+                s = tl.load(src + offs, mask=mask, other=float("-inf")).to(tl.float32) * temp
                 zk += tl.where(mask & (_key_of(s) >= lo_key), tl.exp(s - m), 0.0)
             bound = top_p * tl.sum(zk, axis=0)
-            thr_key = _radix_search(base, V, temp, lo_key, m, bound, True, BLOCK)
+            thr_key = _radix_search(src, n, temp, lo_key, m, bound, True, BLOCK, STAGES)
         thr_key = tl.minimum(thr_key, _key_of(m))
         thr = _float_of(thr_key)
     tl.store(thr_ptr + row, thr)
@@ -284,6 +327,7 @@ def _stats_tile(x, t, inv_t, thr, m_vec, z_vec, t_vec, SAMPLE: tl.constexpr, HAS
         up = d > 0
         z_vec = tl.where(up, z_vec * e + 1.0, z_vec + e)
         m_vec = tl.where(up, s, m_vec)
+        t_vec = tl.where(up, t, t_vec)
     else:
         s = x.to(tl.float32)
         up = s > m_vec
@@ -323,7 +367,8 @@ def _stats_row(
     FAST_EXP: tl.constexpr,
 ):
     """Chunk statistics of one row: max m, sum exp(s - m) (sampling rows; 1 for greedy rows) and
-    the first argmax (greedy rows; 0 for sampling rows, where it is never read)."""
+    the first argmax (greedy rows: the emitted token; sampling rows: the lane whose race keys seed
+    the race's pruning bounds)."""
     ds = tl.load(ds_ptr + req * ds_s) != 0
     base = logits_ptr + row.to(tl.int64) * stride_l
     # this chunk's tiles: [t0, t0 + TILES) ∩ [0, cdiv(V, BLOCK)); full tiles need no mask
@@ -340,17 +385,34 @@ def _stats_row(
         m_vec, z_vec, t_vec = _stats_span(base, t0, t1, tail, n_full, V, inv_t, thr, True, HAS_THR, BLOCK,
                                           STAGES, FAST_EXP)
         m = tl.max(m_vec, axis=0)
-        tl.store(pm_ptr + out, m)
         tl.store(pz_ptr + out, tl.sum(z_vec * tl.exp(m_vec - m), axis=0))
-        tl.store(pi_ptr + out, 0)
     else:
         m_vec, z_vec, t_vec = _stats_span(base, t0, t1, tail, n_full, V, 1.0, float("-inf"), False, False,
                                           BLOCK, STAGES, FAST_EXP)
         m = tl.max(m_vec, axis=0)
-        i_vec = tl.where(t_vec >= 0, t_vec * BLOCK + tl.arange(0, BLOCK), 0)
-        tl.store(pm_ptr + out, m)
         tl.store(pz_ptr + out, 1.0)
-        tl.store(pi_ptr + out, tl.min(tl.where(m_vec == m, i_vec, 2147483647), axis=0))
+    i_vec = tl.where(t_vec >= 0, t_vec * BLOCK + tl.arange(0, BLOCK), 0)
+    tl.store(pm_ptr + out, m)
+    tl.store(pi_ptr + out, tl.min(tl.where(m_vec == m, i_vec, 2147483647), axis=0))
+
+
+@triton.jit
+def _race_keys_of_lane(logits_ptr, stride_l, q_ptr, stride_q, draft_ptr, thr_ptr, e, qrow, has_q, i, temp, m, z, key,
+                       HAS_Q: tl.constexpr, HAS_THR: tl.constexpr):
+    """Both race keys (``max(p - q, 0) / E``, ``p / E``) of lane i of emit row e, computed as
+    ``_race_tile`` computes them; clamped at 0."""
+    s = tl.load(logits_ptr + e.to(tl.int64) * stride_l + i).to(tl.float32) * temp
+    p = tl.exp(s - m) * (1.0 / z)
+    if HAS_THR:
+        p = tl.where(s >= tl.load(thr_ptr + e), p, 0.0)
+    q = tl.full((), 0.0, tl.float32)
+    if has_q:
+        if HAS_Q:
+            q = tl.load(q_ptr + qrow.to(tl.int64) * stride_q + i).to(tl.float32)
+        else:
+            q = tl.where(tl.load(draft_ptr + qrow) == i, 1.0, 0.0)
+    inv_e = 1.0 / _exp1(_uniform(key, i))
+    return tl.maximum(tl.maximum(p - q, 0.0) * inv_e, 0.0), tl.maximum(p * inv_e, 0.0)
 
 
 @triton.jit(do_not_specialize=["ds_s", "temp_s", "seed_s", "off_s", "stride_o", "NCHUNK", "OUT_W"])
@@ -358,7 +420,7 @@ def _accept_kernel(
     logits_ptr, stride_l, q_ptr, stride_q, draft_ptr, nd_ptr, ds_ptr, ds_s, temp_ptr, temp_s,
     thr_ptr, pm_ptr, pz_ptr, pi_ptr, seed_ptr, seed_s, off_ptr, off_s, key2_ptr, unif_ptr,
     out_ptr, stride_o, nacc_ptr, em_ptr, ez_ptr, erow_ptr, qrow_ptr, gbr_ptr, gbp_ptr, NCHUNK, OUT_W,
-    HAS_Q: tl.constexpr, HAS_THR: tl.constexpr, EXPLICIT_U: tl.constexpr,
+    HAS_Q: tl.constexpr, HAS_THR: tl.constexpr, EXPLICIT_U: tl.constexpr, SEED_BOUNDS: tl.constexpr,
     NCHUNK_P2: tl.constexpr, L_P2: tl.constexpr, OFF_B: tl.constexpr,
 ):
     r = tl.program_id(0)
@@ -370,7 +432,8 @@ def _accept_kernel(
     seed = tl.load(seed_ptr + r * seed_s)
     offset = tl.load(off_ptr + r * off_s)
     key1 = _stream_key(seed, offset, 1)
-    tl.store(key2_ptr + r, _stream_key(seed, offset, 2).to(tl.int64))
+    key2 = _stream_key(seed, offset, 2)
+    tl.store(key2_ptr + r, key2.to(tl.int64))
 
     # statistics of all l + 1 rows of the request at once: [L_P2, NCHUNK_P2]
     jj = tl.arange(0, L_P2)  # row j of the request = draft position j (j == l: bonus row)
@@ -415,8 +478,16 @@ def _accept_kernel(
     tl.store(ez_ptr + r, z_e)
     tl.store(erow_ptr + r, row0 + n)
     tl.store(qrow_ptr + r, tl.where(n < l, off + n, -1))  # draft row of the emit position, -1: bonus
-    tl.store(gbr_ptr + r, 0)  # race bounds (race_prune, int32 bits of a float key >= 0): none yet
-    tl.store(gbp_ptr + r, 0)
+    # race bounds (race_prune; int32 bits of a float key >= 0): the keys of the emit row's argmax,
+    # the lane most likely to win, so that the race prunes from its first tile
+    b_r = tl.full((), 0.0, tl.float32)
+    b_p = tl.full((), 0.0, tl.float32)
+    if SEED_BOUNDS:
+        if ds:
+            b_r, b_p = _race_keys_of_lane(logits_ptr, stride_l, q_ptr, stride_q, draft_ptr, thr_ptr, row0 + n,
+                                          off + n, n < l, amax_e, temp, m_e, z_e, key2, HAS_Q, HAS_THR)
+    tl.store(gbr_ptr + r, b_r.to(tl.int32, bitcast=True))
+    tl.store(gbp_ptr + r, b_p.to(tl.int32, bitcast=True))
     emit = tl.where(ds, -1, amax_e.to(tl.int64))
     tok = tl.where(jj < n, d, tl.where(jj == n, emit, -1))
     tl.store(out_ptr + r * stride_o + jj, tok, mask=jj < OUT_W)
@@ -549,7 +620,7 @@ def _race_tile(
     ``x * 1.001 < b * (1 - u)`` (x = r or p, b > 0 a key already computed for this request)
     has a key strictly below b: it can be neither the maximum nor tied with it. The noise, its
     reciprocal and the updates run only for tiles where some lane can still reach a bound
-    (a bound of 0, the start, keeps every lane). Once the residual race has a positive key the p race is
+    (a bound of 0 keeps every lane; ``_accept_kernel`` starts them at the emit row argmax's keys). Once the residual race has a positive key the p race is
     never read (finalize takes it only when the residual maximum is 0) and stops keeping tiles."""
     if MASKED:
         mask = offs < V
@@ -673,10 +744,11 @@ def verify_triton(p, config: LaunchConfig | None = None) -> tuple[torch.Tensor, 
     if has_thr:
         tk = p.top_k if p.top_k is not None else nd
         tp = p.top_p if p.top_p is not None else thr
+        cand = torch.empty((N if p.top_k is not None else 1, FILTER_CANDIDATES), dtype=logits.dtype, device=dev)
         _filter_kernel[(R, L + 1)](
-            logits, logits.stride(0), nd, *pr_args, tk, tk.stride(0), tp, tp.stride(0), thr, V,
-            HAS_K=p.top_k is not None, HAS_P=p.top_p is not None, BLOCK=min(256, v_p2), OFF_B=OFF_BLOCK,
-            num_warps=4,
+            logits, logits.stride(0), nd, *pr_args, tk, tk.stride(0), tp, tp.stride(0), thr, cand, V,
+            HAS_K=p.top_k is not None, HAS_P=p.top_p is not None, BLOCK=min(cfg.filter_block, v_p2),
+            STAGES=cfg.filter_stages, CAND=FILTER_CANDIDATES, OFF_B=OFF_BLOCK, num_warps=cfg.filter_warps,
         )
     sblock = min(cfg.stats_block, v_p2)
     nchunk, tiles = _chunking(N, V, sblock, cfg.stats_programs_per_sm * sms)
@@ -698,12 +770,13 @@ def verify_triton(p, config: LaunchConfig | None = None) -> tuple[torch.Tensor, 
     gbuf = torch.empty((2, rp), dtype=torch.int32, device=dev)  # race bounds (race_prune)
     ibuf = torch.empty((3, rp), dtype=torch.int64, device=dev)  # race key, emit row, draft row
     draft = p.draft_ids if p.draft_ids.numel() > 0 else nacc  # never read when T == 0
+    prune = cfg.race_prune and p.exponentials is None
     _accept_kernel[(R,)](
         logits, logits.stride(0), q_arg, stride_q, draft, nd, *pr_args,
         thr, pm, pz, pi, p.seeds, p.seeds.stride(0), p.offsets, p.offsets.stride(0), ibuf[0],
         p.uniforms if p.uniforms is not None else thr,
         out, out.stride(0), nacc, fbuf[0], fbuf[1], ibuf[1], ibuf[2], gbuf[0], gbuf[1], nchunk, L + 1,
-        HAS_Q=has_q, HAS_THR=has_thr, EXPLICIT_U=p.uniforms is not None,
+        HAS_Q=has_q, HAS_THR=has_thr, EXPLICIT_U=p.uniforms is not None, SEED_BOUNDS=prune,
         NCHUNK_P2=_bucket(nchunk), L_P2=_bucket(L + 1), OFF_B=OFF_BLOCK,
         num_warps=1,
     )
@@ -720,7 +793,7 @@ def verify_triton(p, config: LaunchConfig | None = None) -> tuple[torch.Tensor, 
             ex if ex is not None else thr, ex.stride(0) if ex is not None else 0, gbuf[0], gbuf[1],
             pr[0], pri[0], pr[1], pri[1], V, nchunk_r, tiles_r,
             HAS_Q=has_q, HAS_THR=has_thr, EXPLICIT_E=ex is not None, BLOCK=rblock, STAGES=cfg.race_stages,
-            PRUNE=cfg.race_prune and ex is None, num_warps=cfg.race_warps,
+            PRUNE=prune, num_warps=cfg.race_warps,
         )
         _finalize_kernel[(R,)](
             ds, ds.stride(0), nacc, pr[0], pri[0], pr[1], pri[1], out, out.stride(0), nchunk_r,
