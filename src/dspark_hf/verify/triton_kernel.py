@@ -16,8 +16,7 @@ Launches (all asynchronous, no host synchronisation, no torch kernels in between
 4. ``_race_kernel``, grid (requests, vocab chunks): at the emit row only, the exponential race
    ``argmax max(p - q, 0) / E`` and ``argmax p / E`` with E drawn in-kernel (never stored).
    With ``LaunchConfig.race_prune``, tiles in which no lane can reach a key already computed for
-   the request (bounds shared through an atomic max, seeded by 3 with the keys of the emit row's
-   argmax) skip E's log/series and divisions (exact).
+   the request (bounds shared through an atomic max) skip E's log/series and divisions (exact).
 5. ``_finalize_kernel``, one program per request: merges the race partials, writes the token.
 
 Kernels 1-3 compute a request's flat offset ``sum(num_drafts[:r])`` themselves (a masked sum
@@ -327,7 +326,6 @@ def _stats_tile(x, t, inv_t, thr, m_vec, z_vec, t_vec, SAMPLE: tl.constexpr, HAS
         up = d > 0
         z_vec = tl.where(up, z_vec * e + 1.0, z_vec + e)
         m_vec = tl.where(up, s, m_vec)
-        t_vec = tl.where(up, t, t_vec)
     else:
         s = x.to(tl.float32)
         up = s > m_vec
@@ -367,8 +365,7 @@ def _stats_row(
     FAST_EXP: tl.constexpr,
 ):
     """Chunk statistics of one row: max m, sum exp(s - m) (sampling rows; 1 for greedy rows) and
-    the first argmax (greedy rows: the emitted token; sampling rows: the lane whose race keys seed
-    the race's pruning bounds)."""
+    the first argmax (greedy rows; 0 for sampling rows, where it is never read)."""
     ds = tl.load(ds_ptr + req * ds_s) != 0
     base = logits_ptr + row.to(tl.int64) * stride_l
     # this chunk's tiles: [t0, t0 + TILES) ∩ [0, cdiv(V, BLOCK)); full tiles need no mask
@@ -385,34 +382,17 @@ def _stats_row(
         m_vec, z_vec, t_vec = _stats_span(base, t0, t1, tail, n_full, V, inv_t, thr, True, HAS_THR, BLOCK,
                                           STAGES, FAST_EXP)
         m = tl.max(m_vec, axis=0)
+        tl.store(pm_ptr + out, m)
         tl.store(pz_ptr + out, tl.sum(z_vec * tl.exp(m_vec - m), axis=0))
+        tl.store(pi_ptr + out, 0)
     else:
         m_vec, z_vec, t_vec = _stats_span(base, t0, t1, tail, n_full, V, 1.0, float("-inf"), False, False,
                                           BLOCK, STAGES, FAST_EXP)
         m = tl.max(m_vec, axis=0)
+        i_vec = tl.where(t_vec >= 0, t_vec * BLOCK + tl.arange(0, BLOCK), 0)
+        tl.store(pm_ptr + out, m)
         tl.store(pz_ptr + out, 1.0)
-    i_vec = tl.where(t_vec >= 0, t_vec * BLOCK + tl.arange(0, BLOCK), 0)
-    tl.store(pm_ptr + out, m)
-    tl.store(pi_ptr + out, tl.min(tl.where(m_vec == m, i_vec, 2147483647), axis=0))
-
-
-@triton.jit
-def _race_keys_of_lane(logits_ptr, stride_l, q_ptr, stride_q, draft_ptr, thr_ptr, e, qrow, has_q, i, temp, m, z, key,
-                       HAS_Q: tl.constexpr, HAS_THR: tl.constexpr):
-    """Both race keys (``max(p - q, 0) / E``, ``p / E``) of lane i of emit row e, computed as
-    ``_race_tile`` computes them; clamped at 0."""
-    s = tl.load(logits_ptr + e.to(tl.int64) * stride_l + i).to(tl.float32) * temp
-    p = tl.exp(s - m) * (1.0 / z)
-    if HAS_THR:
-        p = tl.where(s >= tl.load(thr_ptr + e), p, 0.0)
-    q = tl.full((), 0.0, tl.float32)
-    if has_q:
-        if HAS_Q:
-            q = tl.load(q_ptr + qrow.to(tl.int64) * stride_q + i).to(tl.float32)
-        else:
-            q = tl.where(tl.load(draft_ptr + qrow) == i, 1.0, 0.0)
-    inv_e = 1.0 / _exp1(_uniform(key, i))
-    return tl.maximum(tl.maximum(p - q, 0.0) * inv_e, 0.0), tl.maximum(p * inv_e, 0.0)
+        tl.store(pi_ptr + out, tl.min(tl.where(m_vec == m, i_vec, 2147483647), axis=0))
 
 
 @triton.jit(do_not_specialize=["ds_s", "temp_s", "seed_s", "off_s", "stride_o", "NCHUNK", "OUT_W"])
@@ -420,7 +400,7 @@ def _accept_kernel(
     logits_ptr, stride_l, q_ptr, stride_q, draft_ptr, nd_ptr, ds_ptr, ds_s, temp_ptr, temp_s,
     thr_ptr, pm_ptr, pz_ptr, pi_ptr, seed_ptr, seed_s, off_ptr, off_s, key2_ptr, unif_ptr,
     out_ptr, stride_o, nacc_ptr, em_ptr, ez_ptr, erow_ptr, qrow_ptr, gbr_ptr, gbp_ptr, NCHUNK, OUT_W,
-    HAS_Q: tl.constexpr, HAS_THR: tl.constexpr, EXPLICIT_U: tl.constexpr, SEED_BOUNDS: tl.constexpr,
+    HAS_Q: tl.constexpr, HAS_THR: tl.constexpr, EXPLICIT_U: tl.constexpr,
     NCHUNK_P2: tl.constexpr, L_P2: tl.constexpr, OFF_B: tl.constexpr,
 ):
     r = tl.program_id(0)
@@ -432,8 +412,7 @@ def _accept_kernel(
     seed = tl.load(seed_ptr + r * seed_s)
     offset = tl.load(off_ptr + r * off_s)
     key1 = _stream_key(seed, offset, 1)
-    key2 = _stream_key(seed, offset, 2)
-    tl.store(key2_ptr + r, key2.to(tl.int64))
+    tl.store(key2_ptr + r, _stream_key(seed, offset, 2).to(tl.int64))
 
     # statistics of all l + 1 rows of the request at once: [L_P2, NCHUNK_P2]
     jj = tl.arange(0, L_P2)  # row j of the request = draft position j (j == l: bonus row)
@@ -478,16 +457,8 @@ def _accept_kernel(
     tl.store(ez_ptr + r, z_e)
     tl.store(erow_ptr + r, row0 + n)
     tl.store(qrow_ptr + r, tl.where(n < l, off + n, -1))  # draft row of the emit position, -1: bonus
-    # race bounds (race_prune; int32 bits of a float key >= 0): the keys of the emit row's argmax,
-    # the lane most likely to win, so that the race prunes from its first tile
-    b_r = tl.full((), 0.0, tl.float32)
-    b_p = tl.full((), 0.0, tl.float32)
-    if SEED_BOUNDS:
-        if ds:
-            b_r, b_p = _race_keys_of_lane(logits_ptr, stride_l, q_ptr, stride_q, draft_ptr, thr_ptr, row0 + n,
-                                          off + n, n < l, amax_e, temp, m_e, z_e, key2, HAS_Q, HAS_THR)
-    tl.store(gbr_ptr + r, b_r.to(tl.int32, bitcast=True))
-    tl.store(gbp_ptr + r, b_p.to(tl.int32, bitcast=True))
+    tl.store(gbr_ptr + r, 0)  # race bounds (race_prune, int32 bits of a float key >= 0): none yet
+    tl.store(gbp_ptr + r, 0)
     emit = tl.where(ds, -1, amax_e.to(tl.int64))
     tok = tl.where(jj < n, d, tl.where(jj == n, emit, -1))
     tl.store(out_ptr + r * stride_o + jj, tok, mask=jj < OUT_W)
@@ -620,7 +591,7 @@ def _race_tile(
     ``x * 1.001 < b * (1 - u)`` (x = r or p, b > 0 a key already computed for this request)
     has a key strictly below b: it can be neither the maximum nor tied with it. The noise, its
     reciprocal and the updates run only for tiles where some lane can still reach a bound
-    (a bound of 0 keeps every lane; ``_accept_kernel`` starts them at the emit row argmax's keys). Once the residual race has a positive key the p race is
+    (a bound of 0, the start, keeps every lane). Once the residual race has a positive key the p race is
     never read (finalize takes it only when the residual maximum is 0) and stops keeping tiles."""
     if MASKED:
         mask = offs < V
@@ -770,13 +741,12 @@ def verify_triton(p, config: LaunchConfig | None = None) -> tuple[torch.Tensor, 
     gbuf = torch.empty((2, rp), dtype=torch.int32, device=dev)  # race bounds (race_prune)
     ibuf = torch.empty((3, rp), dtype=torch.int64, device=dev)  # race key, emit row, draft row
     draft = p.draft_ids if p.draft_ids.numel() > 0 else nacc  # never read when T == 0
-    prune = cfg.race_prune and p.exponentials is None
     _accept_kernel[(R,)](
         logits, logits.stride(0), q_arg, stride_q, draft, nd, *pr_args,
         thr, pm, pz, pi, p.seeds, p.seeds.stride(0), p.offsets, p.offsets.stride(0), ibuf[0],
         p.uniforms if p.uniforms is not None else thr,
         out, out.stride(0), nacc, fbuf[0], fbuf[1], ibuf[1], ibuf[2], gbuf[0], gbuf[1], nchunk, L + 1,
-        HAS_Q=has_q, HAS_THR=has_thr, EXPLICIT_U=p.uniforms is not None, SEED_BOUNDS=prune,
+        HAS_Q=has_q, HAS_THR=has_thr, EXPLICIT_U=p.uniforms is not None,
         NCHUNK_P2=_bucket(nchunk), L_P2=_bucket(L + 1), OFF_B=OFF_BLOCK,
         num_warps=1,
     )
@@ -793,7 +763,7 @@ def verify_triton(p, config: LaunchConfig | None = None) -> tuple[torch.Tensor, 
             ex if ex is not None else thr, ex.stride(0) if ex is not None else 0, gbuf[0], gbuf[1],
             pr[0], pri[0], pr[1], pri[1], V, nchunk_r, tiles_r,
             HAS_Q=has_q, HAS_THR=has_thr, EXPLICIT_E=ex is not None, BLOCK=rblock, STAGES=cfg.race_stages,
-            PRUNE=prune, num_warps=cfg.race_warps,
+            PRUNE=cfg.race_prune and ex is None, num_warps=cfg.race_warps,
         )
         _finalize_kernel[(R,)](
             ds, ds.stride(0), nacc, pr[0], pri[0], pr[1], pri[1], out, out.stride(0), nchunk_r,
