@@ -117,3 +117,13 @@ def test_every_random_shape_has_a_config(name):
     config = round_speed.shape_config(name)
     assert config.eos_token_id is None and config.max_position_embeddings == 4096
     assert config.hidden_size == round_speed.SHAPES[name]["hidden_size"]
+
+
+def test_round_stages_benchmark_runs_and_plots(tmp_path):
+    """benchmarks/round_stages.py: every stage timed for the smoke shape, the plot written."""
+    round_stages = pytest.importorskip("round_stages")
+    entry = round_stages.measure("smoke", torch.float32, "cpu", rounds=2)
+    assert set(entry["stages_ms"]) == set(round_stages.ROUND_STAGES) and entry["fused_round_ms"] > 0
+    assert entry["split_round_ms"] == pytest.approx(sum(entry["stages_ms"].values())) and entry["tau"] >= 1
+    round_stages.plot({"smoke": entry}, tmp_path / "stages.png")
+    assert (tmp_path / "stages.png").stat().st_size > 0

@@ -1,20 +1,23 @@
 """DSpark inside `generate()`: the candidate generator, the batch-1 loop for stateful targets, the hook; the batch-1
-static-cache loop (`static_generate`, experimental) and the fused projections it sets up (`unfuse_projections` undoes
-them)."""
+static-cache loop (`static_generate`, experimental), its per-stage round profile (`profile_static_round`) and the fused
+projections it sets up (`unfuse_projections` undoes them)."""
 
 from .candidate_generator import DSparkCandidateGenerator, DSparkStats
 from .fused_projections import fuse_projections, unfuse_projections
 from .hook import install
 from .stateful import stateful_generate
 from .static_loop import static_generate
+from .static_profile import StaticRoundProfile, profile_static_round
 from .target_features import check_drafter_fits_target
 
 __all__ = [
     "DSparkCandidateGenerator",
     "DSparkStats",
+    "StaticRoundProfile",
     "check_drafter_fits_target",
     "fuse_projections",
     "install",
+    "profile_static_round",
     "stateful_generate",
     "static_generate",
     "unfuse_projections",

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import time
 import weakref
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 
 import torch
 from transformers import (
@@ -164,41 +165,58 @@ class StaticRound:
             self.compiled = torch.compile(self.step, **options)
 
     # ------------------------------------------------------------------ DSpark rounds
-    def _draft_and_score(self, anchor, features, context_start, position, select):
-        """Drafts after `anchor` [1] from `features` [1, C, K·H] (target positions context_start.. ; those before
-        `position` are context) and runs the target over [anchor, drafts] -> (drafts [1, γ], q logits, target
-        logits [1, γ + 1, V], the target's features of those γ + 1 positions)."""
+    # A greedy round is four stages (`ROUND_STAGES`); `profile_static_round` times them one by one.
+    def draft_backbone(self, anchor, features, context_start, position):
+        """The drafter's parallel forward after `anchor` [1] over `features` [1, C, K·H] (target positions
+        context_start.. ; those before `position` are context) -> (slot hidden states, their base logits)."""
         drafter, device = self.drafter, position.device
-        block, slots = drafter.config.block_size, drafter.config.num_draft_slots
+        block = drafter.config.block_size
         rewind(self.drafter_cache, context_start)
         hidden = torch.cat([torch.arange(self.max_length, device=device) >= position,
                             torch.zeros(block, dtype=torch.bool, device=device)])  # cache rows that are not context
         dtype = drafter.compute_dtype
         mask = torch.zeros(1, 1, block, self.max_length + block, dtype=dtype, device=device)
         mask = mask.masked_fill(hidden, torch.finfo(dtype).min)
-        proposal = drafter.draft(anchor, features, self.drafter_cache,
-                                 position_ids=(position + torch.arange(block, device=device))[None],
-                                 context_position_ids=(context_start + torch.arange(features.shape[1],
-                                                                                    device=device))[None],
-                                 select=select, attention_mask=mask)
+        return drafter.draft_backbone(anchor, features, self.drafter_cache,
+                                      position_ids=(position + torch.arange(block, device=device))[None],
+                                      context_position_ids=(context_start + torch.arange(features.shape[1],
+                                                                                         device=device))[None],
+                                      attention_mask=mask)
+
+    def verify_forward(self, anchor, drafts, position):
+        """The target over [anchor, drafts] at `position` -> (logits [1, γ + 1, V], its features there)."""
         self.verifier.rollback(position)
-        ids = torch.cat([anchor[:, None], proposal.tokens], dim=1)
-        logits, step_features = self.verifier.forward(ids, (position + torch.arange(slots + 1, device=device))[None])
+        ids = torch.cat([anchor[:, None], drafts], dim=1)
+        return self.verifier.forward(ids, (position + torch.arange(ids.shape[1], device=position.device))[None])
+
+    @staticmethod
+    def greedy_verification(drafts, logits, position):
+        """-> (host vector [accepted, γ + 1 target tokens], next anchor [1], next position)."""
+        tokens = argmax_last(logits[0])
+        accepted = (drafts[0] == tokens[:-1]).long().cumprod(dim=0).sum()
+        return torch.cat([accepted[None], tokens]), tokens.gather(0, accepted[None]), position + accepted + 1
+
+    def _draft_and_score(self, anchor, features, context_start, position, select):
+        """Drafts after `anchor` and runs the target over [anchor, drafts] -> (drafts [1, γ], q logits, target
+        logits [1, γ + 1, V], the target's features of those γ + 1 positions)."""
+        hidden, base_logits = self.draft_backbone(anchor, features, context_start, position)
+        proposal = self.drafter.draft_tokens(anchor, hidden, base_logits, select)
+        logits, step_features = self.verify_forward(anchor, proposal.tokens, position)
         return proposal.tokens, proposal.logits, logits, step_features
 
     def greedy_round(self, anchor, features, context_start, position):
         """-> (host vector [accepted, γ + 1 target tokens], next anchor [1], next features, next position)."""
         drafts, _, logits, step_features = self._draft_and_score(anchor, features, context_start, position,
                                                                  greedy_selector)
-        tokens = argmax_last(logits[0])
-        accepted = (drafts[0] == tokens[:-1]).long().cumprod(dim=0).sum()
-        next_anchor = tokens.gather(0, accepted[None])
-        return torch.cat([accepted[None], tokens]), next_anchor, step_features, position + accepted + 1
+        host, next_anchor, next_position = self.greedy_verification(drafts, logits, position)
+        return host, next_anchor, step_features, next_position
 
     def _greedy_round_in_place(self) -> None:
         """`greedy_round` on the state buffers: records [accepted, tokens] in `record[round_index]` and advances."""
-        host, anchor, features, position = self.greedy_round(self.anchor, self.features, self.context_start,
-                                                              self.position)
+        self.advance(*self.greedy_round(self.anchor, self.features, self.context_start, self.position))
+
+    def advance(self, host, anchor, features, position) -> None:
+        """A greedy round's bookkeeping: `host` into `record[round_index]`, the state buffers to the next round."""
         self.record.index_copy_(0, self.round_index[None], host[None])
         self.round_index.add_(1)
         # the old position, computed anew: inductor may apply a copy of the `self.position` alias after updating it
@@ -273,6 +291,37 @@ def exponential_noise(shape: tuple[int, ...], generator: torch.Generator, device
     return torch.empty(shape, device=device).exponential_(generator=generator).clamp_min_(1e-20)
 
 
+@contextmanager
+def fast_path(target: PreTrainedModel, drafter: DSparkDraftModel | None, max_length: int, compile: bool | dict,
+              do_sample: bool, attention: str = "auto", fuse_projections: bool | None = None) -> Iterator[StaticRound]:
+    """The fast path's set-up, shared by `static_generate` and `profile_static_round`: checks the models, picks the
+    attention (`attention`) and projection fusion (`fuse_projections`) as `static_generate` documents, and yields the
+    (kept) `StaticRound` for `max_length` positions with both in effect."""
+    if drafter is not None:
+        check_drafter_fits_target(drafter.config, target)
+        drafter.share_target_weights(target)
+        if drafter.device != target.device:
+            raise ValueError(f"static_generate() runs drafter and target in one graph on one device; the drafter is on "
+                             f"{drafter.device}, the target on {target.device}. Move the drafter there, or use "
+                             "generate() without cache_implementation='static'.")
+    if attention not in ATTENTION_CHOICES:
+        raise ValueError(f"attention must be one of {ATTENTION_CHOICES}, got {attention!r}.")
+    if attention == "static_kernel" and not triton_available(target.device):
+        raise ValueError("attention='static_kernel' needs Triton and a CUDA device (or TRITON_INTERPRET=1).")
+    kernel = attention == "static_kernel" or (attention == "auto" and target.device.type == "cuda"
+                                               and triton_available(target.device))
+    if fuse_projections is None:
+        fuse_projections = target.device.type == "cuda"
+    with (using_static_attention(target, drafter) if kernel else nullcontext(),
+          fused_projections.projection_fusion() if fuse_projections else nullcontext()):
+        rounds = StaticRound.for_models(target, drafter, max_length, compile, do_sample)
+        if fuse_projections:  # (after the caches are accepted: a refused model is left as it was)
+            for model in (target, drafter):
+                if model is not None:
+                    fused_projections.fuse_projections(model)
+        yield rounds
+
+
 @torch.no_grad()
 def static_generate(
     target: PreTrainedModel,
@@ -307,23 +356,10 @@ def static_generate(
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
     if do_sample and temperature <= 0:
         raise ValueError("temperature must be > 0 for sampling; use do_sample=False for greedy.")
-    if drafter is not None:
-        check_drafter_fits_target(drafter.config, target)
-        drafter.share_target_weights(target)
-        if drafter.device != target.device:
-            raise ValueError(f"static_generate() runs drafter and target in one graph on one device; the drafter is on "
-                             f"{drafter.device}, the target on {target.device}. Move the drafter there, or use "
-                             "generate() without cache_implementation='static'.")
-    if attention not in ATTENTION_CHOICES:
-        raise ValueError(f"attention must be one of {ATTENTION_CHOICES}, got {attention!r}.")
-    if attention == "static_kernel" and not triton_available(target.device):
-        raise ValueError("attention='static_kernel' needs Triton and a CUDA device (or TRITON_INTERPRET=1).")
-    kernel = attention == "static_kernel" or (attention == "auto" and target.device.type == "cuda"
-                                               and triton_available(target.device))
-    if fuse_projections is None:
-        fuse_projections = target.device.type == "cuda"
-    with (using_static_attention(target, drafter) if kernel else nullcontext(),
-          fused_projections.projection_fusion() if fuse_projections else nullcontext()):
+    block = drafter.config.block_size if drafter is not None else 0
+    # greedy rounds are queued ahead and may run up to γ tokens past the budget
+    max_length = input_ids.shape[1] + max_new_tokens + 2 * (block + 1)
+    with fast_path(target, drafter, max_length, compile, do_sample, attention, fuse_projections) as rounds:
         device, length = target.device, input_ids.shape[1]
         eos = target.generation_config.eos_token_id if eos_token_id is None else eos_token_id
         eos_ids = set([eos] if isinstance(eos, int) else (eos or []))
@@ -338,13 +374,6 @@ def static_generate(
                         None if top_k is None else torch.tensor([top_k], device=device),
                         None if top_p is None else torch.tensor([top_p], device=device))
         vocab = target.config.get_text_config().vocab_size
-        block = drafter.config.block_size if drafter is not None else 0
-        # greedy rounds are queued ahead and may run up to γ tokens past the budget
-        rounds = StaticRound.for_models(target, drafter, length + max_new_tokens + 2 * (block + 1), compile, do_sample)
-        if fuse_projections:  # (after the caches are accepted: a refused model is left as it was)
-            for model in (target, drafter):
-                if model is not None:
-                    fused_projections.fuse_projections(model)
         logits, features = rounds.verifier.prefill(input_ids.to(device))
         last = logits[:, -1]
         if do_sample:

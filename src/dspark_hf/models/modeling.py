@@ -305,12 +305,28 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         them into a token and the exact logits it was drawn from. `attention_mask` ([B, 1, γ, cached + γ], additive)
         hides cache rows that are not context, e.g. the unused tail of a static cache.
         """
+        hidden, base_logits = self.draft_backbone(anchor_ids, target_hidden_states, past_key_values, position_ids,
+                                                  context_position_ids, num_tokens, attention_mask)
+        return self.draft_tokens(anchor_ids, hidden, base_logits, select)
+
+    @torch.no_grad()
+    def draft_backbone(
+        self,
+        anchor_ids: torch.LongTensor,
+        target_hidden_states: torch.Tensor,
+        past_key_values: Cache,
+        position_ids: torch.LongTensor | None = None,
+        context_position_ids: torch.LongTensor | None = None,
+        num_tokens: int | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first half of `draft()`: the one parallel forward over [anchor, mask slots] -> (the hidden states of
+        the `num_tokens` drafting slots [B, n, H], their logits before the Markov bias [B, n, V])."""
         gamma = self.config.block_size
         slots = self.config.num_draft_slots  # z-lab layout: mask slot j (1..γ-1) drafts position anchor + j
         offset = gamma - slots
         num_tokens = slots if num_tokens is None else min(num_tokens, slots)
-        batch = anchor_ids.shape[0]
-        block_ids = anchor_ids.new_full((batch, gamma), self.config.mask_token_id)
+        block_ids = anchor_ids.new_full((anchor_ids.shape[0], gamma), self.config.mask_token_id)
         block_ids[:, 0] = anchor_ids
         hidden = self(
             input_ids=block_ids,
@@ -319,13 +335,18 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             context_position_ids=context_position_ids,
             attention_mask=attention_mask,
             past_key_values=past_key_values,
-        ).last_hidden_state[:, offset:]
-        base_logits = self.compute_logits(hidden[:, :num_tokens])
+        ).last_hidden_state[:, offset: offset + num_tokens]
+        return hidden, self.compute_logits(hidden)
 
+    @torch.no_grad()
+    def draft_tokens(self, anchor_ids: torch.LongTensor, hidden: torch.Tensor, base_logits: torch.Tensor,
+                     select: TokenSelector = greedy_selector) -> DraftProposal:
+        """The second half of `draft()`: the Markov loop over `draft_backbone`'s outputs, one token per slot."""
         tokens, step_logits = [], []
         prev = anchor_ids
+        batch = anchor_ids.shape[0]
         state = self.markov_head.initial_state(batch, hidden) if self.markov_head is not None else None
-        for slot in range(num_tokens):
+        for slot in range(hidden.shape[1]):
             logits = base_logits[:, slot]
             if self.markov_head is not None:
                 bias, state = self.markov_head.step(prev, hidden[:, slot], state)
@@ -339,5 +360,5 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         return DraftProposal(
             tokens=token_tensor,
             logits=torch.stack(step_logits, dim=1),
-            confidence_logits=self.confidence_logits(hidden[:, :num_tokens], prev_ids),
+            confidence_logits=self.confidence_logits(hidden, prev_ids),
         )
