@@ -32,6 +32,7 @@ API_MODULES = [
                                                           "dspark_hf.generation.hook",
                                                           "dspark_hf.generation.profiling",
                                                           "dspark_hf.generation.static_loop",
+                                                          "dspark_hf.generation.static_profile",
                                                           "dspark_hf.generation.static_attention",
                                                           "dspark_hf.generation.fused_projections",
                                                           "dspark_hf.attention_backends"]),
