@@ -3,8 +3,9 @@
 
 The fused round is one function (one CUDA graph when compiled), so no timer can look inside it. The profile runs the
 same round split at its stage boundaries instead: each stage is a function of its own on the round's state buffers
-(one CUDA graph each when compiled) and is timed with CUDA events (the wall clock on the CPU). The fused round is then
-timed for as many rounds on the same decode, so the report shows both the split and what a decode really pays.
+(one CUDA graph each when compiled) and is timed with CUDA events (the wall clock on the CPU) and, on CUDA, by
+torch.profiler (GPU time alone). The fused round is then timed the same way on the same decode, so the report shows
+both the split and what a decode really pays.
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from torch.profiler import ProfilerActivity, profile, record_function
 from transformers import PreTrainedModel
 
-from ..models import DSparkDraftModel
 from ..devices import synchronize
+from ..models import DSparkDraftModel
 from ..models.modeling import greedy_selector
 from .static_loop import StaticRound, fast_path
 
@@ -132,11 +134,9 @@ class _SplitRound:
 
 def _kernel_ms(calls: list[tuple[str, Callable[[], None]]], rounds: int, device: torch.device,
                window: str) -> dict[str, float]:
-    """GPU time per round of each named call (0 without a GPU): `rounds` rounds of `calls` under torch.profiler, each call
-    in a `record_function` range, whose device time covers the kernels it launches (those of a CUDA-graph replay
+    """GPU time per round of each named call (0 without a GPU): `rounds` rounds of `calls` under torch.profiler, each
+    call in a `record_function` range, whose device time covers the kernels it launches (those of a CUDA-graph replay
     too); `kernels_<window>`: the summed self time of every kernel in the window."""
-    from torch.profiler import ProfilerActivity, profile, record_function
-
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         for _ in range(rounds):

@@ -4,7 +4,9 @@ Launches (all asynchronous, no host synchronisation, no torch kernels in between
 
 1. ``_filter_kernel`` (only when top_k / top_p is given), one program per target row: an
    exact 16-way radix search over order-preserving float32 keys finds the top-k value and
-   then the top-p threshold (8 passes each; rows without an active filter exit at once).
+   then the top-p threshold (8 rounds each; rows without an active filter exit at once). For a
+   top k of at most the block size the searches read only the values at or above the k-th
+   largest per-lane maximum, gathered in one pass (``FILTER_CANDIDATES`` at most), not the row.
 2. ``_stats_kernel``, grid (requests, l + 1, vocab chunks): per chunk, for sampling rows the
    online softmax statistics of the processed logits (per-lane running max / sum-exp, one exp per
    element), for greedy rows the max and first argmax (no exp); unmasked full tiles, one masked
@@ -57,11 +59,11 @@ class LaunchConfig:
     ``*_stages``: ``tl.range(num_stages=...)`` software pipelining of the tile loads; 1 = a
     plain loop. ``race_prune``: skip the noise of race tiles that provably cannot win (exact; see
     ``_race_tile``). Results do not depend on the configuration beyond float32 rounding of the
-    softmax denominators and of the top-p mass (the chunking and the filter's block change the summation order). The defaults come from
-    ``benchmarks/verify_kernel.py --sweep`` on an H200 (triton 3.6): stats and race from the sweep
-    of 2026-11-30 (a later sweep's pick was within its noise on the two shapes it scores and slower
-    at l = 15), filter from the sweep of 2026-12-01 (0.58 ms against 0.70 ms unpipelined at batch
-    64, l = 7, top-k 50 / top-p 0.9)."""
+    softmax denominators and of the top-p mass (the chunking and the filter's block change the
+    summation order). The defaults come from ``benchmarks/verify_kernel.py --sweep`` on an H200
+    (triton 3.6): stats and race from the sweep of 2026-11-30 (a later sweep's pick was within its
+    noise on the two shapes it scores and slower at l = 15), filter from the sweep of 2026-12-01
+    (0.58 ms against 0.70 ms unpipelined at batch 64, l = 7, top-k 50 / top-p 0.9)."""
 
     stats_block: int = 2048
     stats_warps: int = 4
