@@ -70,11 +70,21 @@ def test_compiled_each_stage_is_one_graph(target):
     assert len(compilations) == len(ROUND_STAGES) + 1  # each stage and the fused round, compiled once
 
 
-def test_a_prompt_of_at_most_gamma_plus_one_tokens_is_refused(target):
+@pytest.mark.parametrize("length", [1, 6])
+def test_a_short_prompt_starts_with_an_eager_round_as_static_generate_does(target, length, drafts_seen):
+    """After a prompt of at most γ + 1 tokens (6 here) `static_generate`'s first round runs eagerly; so does the
+    profile's, and its rounds still decode, accept and draft what `static_generate` does."""
+    drafter = drafters(target)["random"]
+    ids = torch.tensor([list(range(7, 7 + length))])
+    profile = profile_static_round(target, drafter, ids, rounds=2, warmup=1)
+    assert len(profile.accepted) == 1 + 1 + 2 * (2 + 1)
+    assert decodes_as_static_generate(target, drafter, ids, profile, drafts_seen)
+
+
+def test_refusals(target):
     drafter = drafters(target)["good"]
-    width = drafter.config.num_draft_slots + 1
-    with pytest.raises(ValueError, match="L > γ \\+ 1"):
-        profile_static_round(target, drafter, torch.tensor([list(range(4, 4 + width))]))
+    with pytest.raises(ValueError, match="one prompt"):
+        profile_static_round(target, drafter, torch.tensor([[4, 5], [6, 7]]))
     with pytest.raises(ValueError, match="rounds must be"):
         profile_static_round(target, drafter, torch.tensor([list(range(4, 16))]), rounds=0)
 

@@ -413,6 +413,23 @@ def record_round(stats: DSparkStats, drafted: int, accepted: int, committed: int
 ROUNDS_PER_READ_WITH_EOS = 8
 
 
+def start_dspark_rounds(rounds: StaticRound, first, features, position) -> tuple[list[int], float] | None:
+    """Sets the state buffers for the first queued greedy DSpark round after the prefill (`first` token, prompt
+    `features`, `position` = prompt length). After a prompt of more than γ + 1 tokens that round runs compiled
+    (`StaticRound.compiled_start`); otherwise it runs here, eagerly on all of the prompt, and its (record row,
+    seconds) is returned."""
+    start = rounds.compiled_start(features, position)
+    if start is not None:
+        rounds.start_greedy(first, position, *start)
+        return None
+    started = time.perf_counter()
+    with rounds.verifier.tapping():
+        host, anchor, step_features, next_position = rounds.greedy_round(first, features, torch.zeros_like(position),
+                                                                         position)
+    rounds.start_greedy(anchor, next_position, step_features, position)
+    return host.tolist(), time.perf_counter() - started
+
+
 def greedy_loop(rounds: StaticRound, first, features, position, max_new_tokens, eos_ids) -> list:
     """Greedy decoding from state kept on the device: the host queues as many rounds as cannot overshoot the budget
     (remaining tokens / tokens per round, at most `ROUNDS_PER_READ_WITH_EOS` while an eos may come), then reads their
@@ -431,16 +448,9 @@ def greedy_loop(rounds: StaticRound, first, features, position, max_new_tokens, 
         per_round = 1
     else:
         per_round = drafter.config.num_draft_slots + 1
-        start = rounds.compiled_start(features, position)
-        if start is not None:
-            rounds.start_greedy(first, position, *start)
-        else:  # a prompt of at most γ + 1 tokens: the first round runs eagerly on all of it
-            started = time.perf_counter()
-            with rounds.verifier.tapping():
-                host, anchor, step_features, next_position = rounds.greedy_round(first, features,
-                                                                                 torch.zeros_like(position), position)
-            rounds.start_greedy(anchor, next_position, step_features, position)
-            pending.append((host.tolist(), time.perf_counter() - started))
+        eager_round = start_dspark_rounds(rounds, first, features, position)
+        if eager_round is not None:
+            pending.append(eager_round)
     queued = 0
     while True:
         for row, seconds in pending:

@@ -21,7 +21,7 @@ from transformers import PreTrainedModel
 from ..devices import synchronize
 from ..models import DSparkDraftModel
 from ..models.modeling import greedy_selector
-from .static_loop import StaticRound, fast_path
+from .static_loop import StaticRound, fast_path, start_dspark_rounds
 
 # `RoundProfiler`'s parts that the fast path has (it has no scheduler: its γ is fixed), in round order
 ROUND_STAGES = ("draft_backbone", "markov_sampling", "verify_forward", "verification", "bookkeeping")
@@ -168,8 +168,8 @@ def profile_static_round(
 ) -> StaticRoundProfile:
     """Milliseconds per greedy DSpark round of `static_generate`'s fast path, per stage (`ROUND_STAGES`).
 
-    Decodes after `input_ids` [1, L] (L > γ + 1, so that the first round runs compiled as in `static_generate`):
-    one eager split round, then `warmup` + `rounds` split rounds (the last `rounds` timed with CUDA events, or the
+    Decodes after `input_ids` [1, L] as `static_generate` does (after a prompt of at most γ + 1 tokens the first
+    round runs eagerly), then: one eager split round, then `warmup` + `rounds` split rounds (the last `rounds` timed with CUDA events, or the
     wall clock on the CPU) and, on CUDA, `rounds` more under torch.profiler; then the same with the fused round. eos
     does not stop it. `compile`, `attention` and `fuse_projections` as in `static_generate` (pass the same values to
     profile what it runs). Event times include the GPU's waits for the host where the host launches more slowly
@@ -177,19 +177,18 @@ def profile_static_round(
     run back to back; its sum exceeds the fused round by the launch gaps between the stages' graphs and the fusion
     across stage boundaries that the split prevents."""
     width, device = drafter.config.num_draft_slots + 1, target.device
-    if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] <= width:
-        raise ValueError(f"profile_static_round() needs one prompt [1, L] with L > γ + 1 = {width}; got shape "
-                         f"{tuple(input_ids.shape)}.")
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"profile_static_round() profiles one prompt [1, L]; got shape {tuple(input_ids.shape)}.")
     if rounds < 1 or warmup < 0:
         raise ValueError(f"rounds must be >= 1 and warmup >= 0, got {rounds} and {warmup}.")
     phases = 2 if device.type == "cuda" else 1  # timed rounds, then (CUDA) profiled rounds, split and fused each
-    total = 1 + 2 * (warmup + phases * rounds)  # the split round's eager first round, then the split and fused rounds
-    max_length = input_ids.shape[1] + (total + 2) * width
+    recorded = 1 + 2 * (warmup + phases * rounds)  # the split round's eager first round, the split and fused rounds
+    max_length = input_ids.shape[1] + (recorded + 3) * width  # + a first round run before them, + a margin
     with fast_path(target, drafter, max_length, compile, False, attention, fuse_projections) as state:
         logits, features = state.verifier.prefill(input_ids.to(device))
         first = logits[:, -1].argmax(dim=-1)
         position = torch.tensor(input_ids.shape[1], device=device)
-        state.start_greedy(first, position, *state.compiled_start(features, position))
+        eager_round = start_dspark_rounds(state, first, features, position)
         timer, gpu = _Timer(device), {}
         with state.verifier.tapping():
             split = _SplitRound(state, compile)
@@ -205,7 +204,8 @@ def profile_static_round(
         stages = {name: timer.total(name) / rounds for name in ROUND_STAGES}
         fused = timer.total("fused") / rounds
         tokens, accepted = [int(first)], []
-        for count, *targets in state.record[:total].tolist():
+        rows = ([eager_round[0]] if eager_round is not None else []) + state.record[:recorded].tolist()
+        for count, *targets in rows:
             tokens += targets[: count + 1]
             accepted.append(count)
     return StaticRoundProfile(stages=stages, split_round=sum(stages.values()), fused_round=fused, rounds=rounds,
