@@ -165,7 +165,8 @@ class StaticRound:
             self.compiled = torch.compile(self.step, **options)
 
     # ------------------------------------------------------------------ DSpark rounds
-    # A greedy round is four stages (`ROUND_STAGES`); `profile_static_round` times them one by one.
+    # A greedy round's stages: draft_backbone, the drafter's draft_tokens (Markov loop), verify_forward,
+    # greedy_verification and advance (bookkeeping); `profile_static_round` times them one by one.
     def draft_backbone(self, anchor, features, context_start, position):
         """The drafter's parallel forward after `anchor` [1] over `features` [1, C, K·H] (target positions
         context_start.. ; those before `position` are context) -> (slot hidden states, their base logits)."""
