@@ -83,6 +83,8 @@ def test_a_short_prompt_starts_with_an_eager_round_as_static_generate_does(targe
 
 def test_refusals(target):
     drafter = drafters(target)["good"]
+    with pytest.raises(ValueError, match="needs a drafter"):
+        profile_static_round(target, None, torch.tensor([list(range(4, 16))]))
     with pytest.raises(ValueError, match="one prompt"):
         profile_static_round(target, drafter, torch.tensor([[4, 5], [6, 7]]))
     with pytest.raises(ValueError, match="rounds must be"):

@@ -176,6 +176,9 @@ def profile_static_round(
     than the GPU runs (small models); `StaticRoundProfile.gpu` has the kernel time alone. The split round's stages
     run back to back; its sum exceeds the fused round by the launch gaps between the stages' graphs and the fusion
     across stage boundaries that the split prevents."""
+    if drafter is None:
+        raise ValueError("profile_static_round() profiles DSpark rounds and needs a drafter; a plain step is one "
+                         "target forward (time static_generate(target, None, ...) for it).")
     width, device = drafter.config.num_draft_slots + 1, target.device
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"profile_static_round() profiles one prompt [1, L]; got shape {tuple(input_ids.shape)}.")
