@@ -245,6 +245,15 @@ def copy_bandwidth(device: torch.device) -> float | None:
     return 2 * source.numel() / sorted(times[1:])[2]
 
 
+def weight_read_floor(target) -> dict:
+    """The target's weight bytes, the device's copy bandwidth (None on the CPU) and the time to read the weights once
+    at that bandwidth (`floor_ms`, None on the CPU)."""
+    bandwidth = copy_bandwidth(target.device)
+    weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
+    return dict(weight_bytes=weight_bytes, copy_bandwidth_bytes_per_s=bandwidth,
+                floor_ms=1e3 * weight_bytes / bandwidth if bandwidth else None)
+
+
 def run(method, device: torch.device, count_forwards_of=None) -> tuple[torch.Tensor, float, int | None]:
     """(output, seconds, forwards): `method` timed after an identical warm-up call; `forwards` counts the calls of
     `count_forwards_of` (a module) in the timed call (None when not asked)."""
@@ -480,11 +489,8 @@ def main() -> None:
     out = Path(args.out) if args.out else (Path(tempfile.mkdtemp(prefix="round-speed-")) / "round_speed_smoke.json"
                                            if args.model == "smoke" else RESULTS / "round_speed_h200.json")
     target, drafter, prompt = models(args.model, dtype, args.device, args.new_tokens)
-    bandwidth = copy_bandwidth(target.device)
-    weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
     common = dict(environment=environment(), dtype=str(dtype).removeprefix("torch."), new_tokens=args.new_tokens,
-                  gamma=drafter.config.num_draft_slots, weight_bytes=weight_bytes,
-                  copy_bandwidth_bytes_per_s=bandwidth, floor_ms=1e3 * weight_bytes / bandwidth if bandwidth else None,
+                  gamma=drafter.config.num_draft_slots, **weight_read_floor(target),
                   acceptance="real" if args.model == "code50m" else "random weights: timing only (tau ~ 1)")
     entry = {}
     for batch in args.batch:
