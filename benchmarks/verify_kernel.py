@@ -109,8 +109,8 @@ SWEEP_BUDGET_S = 120.0  # wall-clock cap of the sweep (mostly compilation of new
 
 def launch_sweep(reps: int = 20) -> tuple[tk.LaunchConfig, list[dict]]:
     """Coordinate search over LaunchConfig: stats kernel (block x warps x programs/SM, then
-    pipelining stages of the best), then race kernel likewise with the best stats settings, then
-    race pruning off. Score = sum of the CUDA-graph medians of one verify() call over
+    pipelining stages of the best), then race kernel likewise (its block is a race group, fixed)
+    with the best stats settings. Score = sum of the CUDA-graph medians of one verify() call over
     SWEEP_SHAPES. Then the top-k / top-p filter kernel (block x warps x stages), scored on one
     FILTERED call at batch 64, l = 7. Returns the fastest configuration and every timing."""
     inputs = {f"b{b}_l{l}": (make_inputs(b, l, torch.bfloat16), l, {}) for b, l in SWEEP_SHAPES}
@@ -144,13 +144,15 @@ def launch_sweep(reps: int = 20) -> tuple[tk.LaunchConfig, list[dict]]:
 
     best = tk.LaunchConfig()
     best_t = score(best, "default")
-    for prefix, blocks in (("stats", (1024, 2048, 4096)), ("race", (512, 1024, 2048))):
+    for prefix, blocks in (("stats", (1024, 2048, 4096)), ("race", (None,))):
         base = best
         for block in blocks:
             for warps in (4, 8):
                 for progs in (4, 8, 16):
-                    cfg = replace(base, **{f"{prefix}_block": block, f"{prefix}_warps": warps,
-                                           f"{prefix}_programs_per_sm": progs, f"{prefix}_stages": 1})
+                    shape = {f"{prefix}_warps": warps, f"{prefix}_programs_per_sm": progs, f"{prefix}_stages": 1}
+                    if block is not None:
+                        shape[f"{prefix}_block"] = block
+                    cfg = replace(base, **shape)
                     if cfg == best:
                         continue
                     t = score(cfg, prefix)
@@ -161,11 +163,6 @@ def launch_sweep(reps: int = 20) -> tuple[tk.LaunchConfig, list[dict]]:
             t = score(cfg, f"{prefix}_stages")
             if t < best_t:
                 best, best_t = cfg, t
-    for prune in (not best.race_prune,):
-        cfg = replace(best, race_prune=prune)
-        t = score(cfg, "race_prune")
-        if t < best_t:
-            best, best_t = cfg, t
     best_f = score(best, "filter_default", filtered)
     for block, warps, stages in itertools.product((256, 512, 1024), (4, 8), (1, 2, 3)):
         cfg = replace(best, filter_block=block, filter_warps=warps, filter_stages=stages)
@@ -177,8 +174,9 @@ def launch_sweep(reps: int = 20) -> tuple[tk.LaunchConfig, list[dict]]:
 
 def race_gap(args, kw, seeds, r: int, toks: list[int]) -> dict:
     """For a request whose emitted token differs between the backends (same num_accepted):
-    float64 race keys of the candidate tokens (residual and plain race) and their relative gap,
-    to tell a float32 near-tie from a real disagreement."""
+    float64 keys of the candidate tokens in the two-level race (their groups' keys, then their own
+    residual keys) and the relative gap of the level where they part, to tell a float32 near-tie
+    from a real disagreement."""
     _, nd, logits, q = args
     nd_c = nd.cpu()
     n_acc = kw.pop("_n")
@@ -199,13 +197,18 @@ def race_gap(args, kw, seeds, r: int, toks: list[int]) -> dict:
                          None if tp_ is None else per_req(tp_, None).float())[0].double()
     pe = torch.softmax(s, -1)
     qe = q[off + n_acc].double() if (q is not None and n_acc < int(nd_c[r])) else torch.zeros_like(pe)
-    E = rng.residual_exponentials(seeds[r : r + 1], torch.zeros(1, dtype=torch.int64, device=dev), V_)[0].double()
-    kr = (pe - qe).clamp_min(0) / E
-    kp = pe / E
-    out = dict(tokens=toks, key_residual=[float(kr[t]) for t in toks], key_plain=[float(kp[t]) for t in toks],
-               max_residual=float(kr.max()), argmax_residual_f64=int(kr.argmax()))
-    a, b = out["key_residual"]
-    out["relative_gap_residual"] = abs(a - b) / max(a, b, 1e-300)
+    key = (seeds[r : r + 1], torch.zeros(1, dtype=torch.int64, device=dev))
+    res = (pe - qe).clamp_min(0)
+    G = rng.RACE_GROUP
+    n_groups = -(-V_ // G)
+    mass = torch.nn.functional.pad(res, (0, n_groups * G - V_)).view(n_groups, G).sum(-1)
+    kg = mass / rng.exponentials(*key, rng.STREAM_GROUP, torch.arange(n_groups, device=dev))[0].double()
+    kr = res / rng.residual_exponentials(*key, V_)[0].double()
+    groups = [t // G for t in toks]
+    out = dict(tokens=toks, groups=groups, key_group=[float(kg[g]) for g in groups],
+               key_residual=[float(kr[t]) for t in toks], argmax_group_f64=int(kg.argmax()))
+    a, b = out["key_group"] if groups[0] != groups[1] else out["key_residual"]
+    out["relative_gap"] = abs(a - b) / max(a, b, 1e-300)
     return out
 
 
@@ -291,6 +294,28 @@ def measure(b, l, dtype) -> dict:
     return row
 
 
+def kernel_breakdown_us(d, nd, logits, q, seeds, l: int) -> dict:
+    """GPU microseconds per verify() call of each kernel (torch.profiler over 10 calls)."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        for _ in range(3):
+            verify(d, nd, logits, q, seeds=seeds, max_draft_len=l, backend="triton")
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                verify(d, nd, logits, q, seeds=seeds, max_draft_len=l, backend="triton")
+            torch.cuda.synchronize()
+        out = {}
+        for ev in prof.key_averages():
+            t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+            if t:
+                out[ev.key[:80]] = round(t / 10, 2)
+        return out
+    except Exception as e:  # noqa: BLE001
+        return {"error": repr(e)[:200]}
+
+
 def best_possible(measured: dict[str, float]) -> dict:
     """The highest `fraction_of_bandwidth` any exact verifier of this API can reach when every request rejects, per
     "dtype/l" key, and the measured fraction over it."""
@@ -362,24 +387,10 @@ def main():
                           speedup_vs_reference=t_ref / t_tri))
         print(json.dumps(extra[-1]), flush=True)
 
-    # per-kernel GPU time at batch 64, l = 7, bf16 (torch.profiler, 10 calls)
+    # per-kernel GPU time at batch 64, bf16, l = 1, 4, 7 (torch.profiler, 10 calls each)
     breakdown = {}
-    try:
-        from torch.profiler import ProfilerActivity, profile
-
-        for _ in range(3):
-            verify(d, nd, logits, q, seeds=seeds, max_draft_len=7, backend="triton")
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(10):
-                verify(d, nd, logits, q, seeds=seeds, max_draft_len=7, backend="triton")
-            torch.cuda.synchronize()
-        for ev in prof.key_averages():
-            t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-            if t:
-                breakdown[ev.key[:80]] = round(t / 10, 2)  # microseconds per call
-    except Exception as e:  # noqa: BLE001
-        breakdown = {"error": repr(e)[:200]}
+    for l_b in (1, 4, 7):
+        breakdown[f"l={l_b}"] = kernel_breakdown_us(*make_inputs(64, l_b, torch.bfloat16), l_b)
     print("breakdown_us", json.dumps(breakdown), flush=True)
 
     b64 = [r for r in rows_ok if r["batch"] == 64]
@@ -425,8 +436,7 @@ def main():
                    within_2x_of_read_once_at_b64_cuda_graph=bool(frac_g) and all(v >= 0.5 for v in frac_g.values())),
         launch_config=launch_config,
         launch_sweep=None if sweep_records is None else dict(
-            definition="coordinate search over triton_kernel.LaunchConfig (stats kernel, then race kernel, then race "
-                       "pruning, scored on " + ", ".join(f"b{b}_l{l}" for b, l in SWEEP_SHAPES) + " (bf16, sampling, "
+            definition="coordinate search over triton_kernel.LaunchConfig (stats kernel, then race kernel, scored on " + ", ".join(f"b{b}_l{l}" for b, l in SWEEP_SHAPES) + " (bf16, sampling, "
                        "score_ms = their sum); then the filter kernel, scored on b64_l7_filtered (bf16, " + str(FILTERED)
                        + ")); times_ms = CUDA-graph replay median of one verify() call (4 calls per graph); the "
                        "lowest scores are launch_config",
@@ -434,7 +444,7 @@ def main():
         best_possible_fraction_b64=best_possible(frac_g),
         gpu_correctness_triton_vs_reference=correctness,
         extra_b64=extra,
-        kernel_breakdown_us_b64_l7_bf16=breakdown,
+        kernel_breakdown_us_b64_bf16=breakdown,
         results=rows,
         wall_s=time.time() - t_start,
     )

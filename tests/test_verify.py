@@ -50,7 +50,8 @@ def make_case(lens, V, seed=0, sharp=2.0, closeness=0.5, zero_frac=0.0, dtype=to
 
 
 def naive_verify(d, nd, logits, q, do_sample, temperature, top_k, top_p, uniforms, expo):
-    """Independent per-request implementation (HF warpers + HF's acceptance rule)."""
+    """Independent per-request implementation (HF warpers + HF's acceptance rule). ``expo``: explicit
+    Exp(1) noise ``[R, V]`` (the flat race), or a ``race(r, weights, two_level)`` function."""
     R = nd.shape[0]
     out, ns, off = [], [], 0
     for r in range(R):
@@ -79,8 +80,11 @@ def naive_verify(d, nd, logits, q, do_sample, temperature, top_k, top_p, uniform
                 res = (p - qrow).clamp_min(0)
                 dist = res if float(res.sum()) > 0 else p
             else:
-                dist = p
-            toks.append(int((dist / expo[r]).argmax()))
+                dist = res = p
+            if callable(expo):
+                toks.append(expo(r, dist, dist is res))
+            else:
+                toks.append(int((dist / expo[r]).argmax()))
             break
         out.append(toks)
         ns.append(n)
@@ -203,8 +207,9 @@ def test_drafts_past_eos_are_plain_tokens():
     q[torch.arange(6), d] = torch.maximum(q[torch.arange(6), d], torch.tensor(0.2))
     q = q / q.sum(-1, keepdim=True)
     full = verify(d, nd, logits, q, seeds=torch.tensor([4]), backend="torch")
-    ns, toks = naive_verify(d, nd, logits, q, [True], [1.0], [None], [None],
-                            *_noise_for(torch.tensor([4]), torch.tensor([0]), nd, V))
+    seeds, offsets = torch.tensor([4]), torch.tensor([0])
+    ns, toks = naive_verify(d, nd, logits, q, [True], [1.0], [None], [None], _noise_for(seeds, offsets, nd, V)[0],
+                            naive_group_race(seeds, offsets, 1024))
     assert as_lists(full) == (ns, toks)
     crop = verify(d[:2], torch.tensor([2]), torch.cat([logits[:2], logits[2:3]]), q[:2],
                   seeds=torch.tensor([4]), backend="torch")
@@ -221,13 +226,42 @@ def _noise_for(seeds, offsets, nd, V):
     return rng.acceptance_uniforms(seeds, offsets, r_t, j_t), rng.residual_exponentials(seeds, offsets, V)
 
 
-def test_counter_rng_is_what_verify_uses():
-    d, nd, logits, q = make_case([2, 0, 5, 3], V=30, seed=4, closeness=0.7)
-    seeds, offs = torch.tensor([1, 2, 3, -(2**62)]), torch.tensor([0, 5, 2**33, 7])
+def naive_group_race(seeds, offsets, group: int):
+    """The two-level exponential race of rng's counter noise, one request at a time (loops)."""
+    from dspark_hf.verify import rng
+
+    def race(r, w, two_level):
+        key = (seeds[r : r + 1], offsets[r : r + 1])
+        V = w.numel()
+        e_v = rng.exponentials(*key, rng.STREAM_RESIDUAL, torch.arange(V))[0]
+        ids = range(V)
+        if two_level:  # group g wins with key mass_g / E_g, then its ids race
+            n_groups = -(-V // group)
+            e_g = rng.exponentials(*key, rng.STREAM_GROUP, torch.arange(n_groups))[0]
+            g = max(range(n_groups), key=lambda i: (float(w[i * group : (i + 1) * group].sum() / e_g[i]), -i))
+            ids = range(g * group, min(V, (g + 1) * group))
+        return max(ids, key=lambda v: (float(w[v] * (1.0 / e_v[v])), -v))
+
+    return race
+
+
+@pytest.mark.parametrize("group", [None, 8, 1])
+def test_counter_rng_is_what_verify_uses(group, monkeypatch):
+    """Seeded noise: the two-level race (groups of rng.RACE_GROUP ids; 8 gives 4 groups at V = 30,
+    1 makes every id a group) with rng's uniforms, as an independent per-request loop draws it."""
+    from dspark_hf.verify import rng
+
+    if group is not None:
+        monkeypatch.setattr(rng, "RACE_GROUP", group)
+    d, nd, logits, q = make_case([2, 0, 5, 3, 1, 4], V=30, seed=4, closeness=0.7)
+    seeds, offs = torch.tensor([1, 2, 3, -(2**62), 8, 9]), torch.tensor([0, 5, 2**33, 7, 1, 2])
     a = verify(d, nd, logits, q, seeds=seeds, offsets=offs, backend="torch")
-    u, e = _noise_for(seeds, offs, nd, 30)
-    b = verify(d, nd, logits, q, uniforms=u, exponentials=e, backend="torch")
-    assert torch.equal(a.output_tokens, b.output_tokens)
+    u, _ = _noise_for(seeds, offs, nd, 30)
+    R = nd.numel()
+    ns, toks = naive_verify(d, nd, logits, q, [True] * R, [1.0] * R, [None] * R, [None] * R, u,
+                            naive_group_race(seeds, offs, rng.RACE_GROUP))
+    assert as_lists(a) == (ns, toks)
+    assert (a.num_accepted < nd).any() and (a.num_accepted == nd).any()  # residual and bonus draws
     c = verify(d, nd, logits, q, seeds=seeds, offsets=offs, backend="torch")
     assert torch.equal(a.output_tokens, c.output_tokens)  # reproducible
     g1, g2 = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
@@ -294,8 +328,14 @@ def check_distribution(res: VerifyResult, target: torch.Tensor, l: int) -> list[
     return pv
 
 
+@pytest.mark.parametrize("group", [None, 4])
 @pytest.mark.parametrize("pair", range(len(PAIRS)))
-def test_output_distribution_is_target_distribution(pair):
+def test_output_distribution_is_target_distribution(pair, group, monkeypatch):
+    """group 4: the two-level race over 3 groups of the 12 ids (None: one group)."""
+    from dspark_hf.verify import rng
+
+    if group is not None:
+        monkeypatch.setattr(rng, "RACE_GROUP", group)
     d, nd, logits, q, kw, target = stat_batch(pair, R=20_000, V=12)
     res = verify(d, nd, logits, q, backend="torch", **kw)
     pv = check_distribution(res, target, 2)
@@ -319,3 +359,21 @@ def test_negative_controls_are_rejected(pair):
     resample = torch.multinomial(target[0], first_draft.numel(), replacement=True, generator=g)
     wrong = torch.where(res.num_accepted >= 1, first_draft, resample)
     assert chi2_pvalue(wrong, target[0]) < ALPHA
+
+
+def test_negative_control_group_race(monkeypatch):
+    """The two-level race needs its group noise: with E_g = 1 (the heaviest group always wins) the
+    chi-square test of the first token rejects it."""
+    from dspark_hf.verify import rng
+
+    monkeypatch.setattr(rng, "RACE_GROUP", 4)
+    exps = rng.exponentials
+
+    def no_group_noise(seeds, offsets, stream, counters):
+        e = exps(seeds, offsets, stream, counters)
+        return torch.ones_like(e) if stream == rng.STREAM_GROUP else e
+
+    monkeypatch.setattr(rng, "exponentials", no_group_noise)
+    d, nd, logits, q, kw, target = stat_batch(0, R=20_000, V=12)
+    res = verify(d, nd, logits, q, backend="torch", **kw)
+    assert min(check_distribution(res, target, 2)) < ALPHA

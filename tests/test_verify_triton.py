@@ -81,10 +81,14 @@ def test_large_vocab_few_rows():
 
 
 @interp
-@pytest.mark.parametrize("pair", [0, 2])
-def test_distribution_triton(pair):
+@pytest.mark.parametrize("pair,group", [(0, 1024), (2, 2)])
+def test_distribution_triton(pair, group, monkeypatch):
     """Chi-square (alpha = 1e-3 per test) on the Triton kernel itself: first token, and the
-    bonus token given a full accept; 300 requests (the interpreter is slow)."""
+    bonus token given a full accept; 300 requests (the interpreter is slow). group 2: the two-level
+    race over 4 groups of the 8 ids."""
+    from dspark_hf.verify import rng
+
+    monkeypatch.setattr(rng, "RACE_GROUP", group)
     d, nd, logits, q, kw, target = stat_batch(pair, R=300, V=8, l=1)
     res = verify(d, nd, logits, q, backend="triton", **kw)
     pv = check_distribution(res, target, 1)
@@ -124,8 +128,8 @@ def test_top_k_candidates_identical(monkeypatch):
 
 @interp
 def test_launch_configs_identical(monkeypatch):
-    """Non-default LaunchConfigs (many chunks, masked tails, tl.range pipelining, race pruning on
-    and off) give the reference's tokens, through verify_triton(config=...) and set_launch_config."""
+    """Non-default LaunchConfigs (many chunks, masked tails, tl.range pipelining on and off) give the
+    reference's tokens, through verify_triton(config=...) and set_launch_config."""
     import functools
 
     from dspark_hf.verify import triton_kernel as tk
@@ -140,10 +144,9 @@ def test_launch_configs_identical(monkeypatch):
     )
     cfgs = [
         tk.LaunchConfig(stats_block=32, stats_warps=1, stats_programs_per_sm=40, stats_stages=2,
-                        race_block=16, race_warps=2, race_programs_per_sm=7, race_stages=3,
+                        race_warps=2, race_programs_per_sm=7, race_stages=3,
                         filter_block=64, filter_warps=2, filter_stages=3),
-        tk.LaunchConfig(stats_block=64, stats_programs_per_sm=3, race_block=32, race_programs_per_sm=2,
-                        race_prune=False),
+        tk.LaunchConfig(stats_block=64, stats_programs_per_sm=3, race_programs_per_sm=2, race_stages=1),
     ]
     orig = tk.verify_triton
     for cfg in cfgs:
@@ -161,28 +164,27 @@ def test_launch_configs_identical(monkeypatch):
 
 
 @interp
-def test_race_pruning_skips_tiles_exactly(monkeypatch):
-    """The race kernel's pruning (LaunchConfig.race_prune) skips the noise of most tiles and
-    still emits the reference's tokens (the interpreter runs programs one after another, so the
-    bound published by earlier programs prunes later ones)."""
-    from dspark_hf.verify import triton_kernel as tk
+@pytest.mark.parametrize("group", [16, 64])
+def test_group_race_identical(group, monkeypatch):
+    """The two-level race with many groups (V = 300: 19 or 5 groups, a partial last one) split over
+    several chunks per request: the reference's tokens for residual, one-hot and bonus draws and for a
+    request whose residual has no mass (q == p: the flat race over p); explicit noise still races ids."""
+    from dspark_hf.verify import rng
 
-    calls = {"tile": 0, "keys": 0}
-
-    def counting(name, fn):
-        def wrapped(*a, **kw):
-            calls[name] += 1
-            return fn(*a, **kw)
-
-        return wrapped
-
-    monkeypatch.setattr(tk, "_race_tile", counting("tile", tk._race_tile))
-    monkeypatch.setattr(tk, "_race_keys", counting("keys", tk._race_keys))
-    d, nd, logits, q = make_case([3, 1, 2, 0], V=2048, seed=5, closeness=0.7, sharp=3.0)
-    prev = tk.set_launch_config(tk.LaunchConfig(race_block=32, race_programs_per_sm=4))
-    try:
-        for draft_q in (q, None):
-            both(d, nd, logits, draft_q, seeds=11)
-    finally:
-        tk.set_launch_config(prev)
-    assert 0 < calls["keys"] < calls["tile"] // 4, calls
+    monkeypatch.setattr(rng, "RACE_GROUP", group)
+    lens = [3, 1, 2, 0, 5]
+    d, nd, logits, q = make_case(lens, V=300, seed=5, closeness=0.7)
+    top_k = torch.tensor([0, 5, 0, 0, 0])
+    # request 1 (draft 3, target row 4): q is its top-5 p (up to 1e-5) and the draft has p = q = 0,
+    # so it is rejected with no residual mass: the flat race over p emits one of the top 5
+    top5 = logits[4].topk(5)
+    logits[4, top5.indices] = top5.values[0]  # five equally likely tokens: only the noise picks one
+    q[3] = torch.softmax(logits[4].double().masked_fill(logits[4] < top5.values[-1], -torch.inf), -1) * (1 + 1e-5)
+    d[3] = logits[4].argmin()
+    for draft_q, seeds in ((q, 11), (q, 12), (None, 11)):
+        res = both(d, nd, logits, draft_q, seeds=seeds, top_k=top_k)
+        assert (res.num_accepted < nd).any() and (res.num_accepted == nd).any()
+        assert res.num_accepted[1] == 0 and res.output_tokens[1, 0] in top5.indices
+    g = torch.Generator().manual_seed(1)
+    both(d, nd, logits, q, uniforms=torch.rand(d.numel(), generator=g),
+         exponentials=torch.empty(len(lens), 300).exponential_(generator=g))

@@ -147,10 +147,12 @@ def verify(
     after its first EOS before calling (or discards emitted tokens after an accepted EOS).
 
     Sampling rule: accept draft x at position j iff ``u_j * q_j(x) < p_j(x)``; at the first
-    rejection emit ``argmax_v max(p_v - q_v, 0) / E_v`` (exponential race = a sample of the
-    normalised residual), falling back to ``argmax_v p_v / E_v`` when the residual has no mass;
-    after a full accept emit ``argmax_v p_v / E_v`` from the bonus row. The emitted row uses
-    one noise vector E per request (it is independent of the acceptance uniforms).
+    rejection emit a sample of the normalised residual ``max(p - q, 0)``, after a full accept a
+    sample of p from the bonus row. Counter noise: a two-level exponential race (groups of
+    ``rng.RACE_GROUP`` ids race with their residual mass, then the winning group's ids; see
+    ``reference.group_race``), falling back to ``argmax_v p_v / E_v`` when the residual has no mass.
+    Explicit ``exponentials``: the flat race ``argmax_v max(p_v - q_v, 0) / E_v`` (same fallback).
+    The noise is independent of the acceptance uniforms.
     """
     if draft_ids.dim() != 1 or num_drafts.dim() != 1 or target_logits.dim() != 2:
         raise ValueError("expected draft_ids [T], num_drafts [R], target_logits [T + R, V]")

@@ -116,14 +116,9 @@ def verify_torch(p) -> tuple[torch.Tensor, torch.Tensor]:
             q_e = torch.zeros_like(p_e).scatter_(1, d[qrow][:, None], 1.0)
         q_e = torch.where(has_q[:, None], q_e, torch.zeros_like(q_e))
         if p.exponentials is not None:
-            E = p.exponentials
+            tok_s = flat_race(p_e, q_e, p.exponentials)
         else:
-            E = rng.residual_exponentials(p.seeds, p.offsets, V)
-        inv_e = 1.0 / E
-        kr = (p_e - q_e).clamp_min(0.0) * inv_e
-        kp = p_e * inv_e
-        best_r, tok_r = kr.max(dim=-1)
-        tok_s = torch.where(best_r > 0, tok_r, kp.argmax(dim=-1))
+            tok_s = group_race(p_e, q_e, p.seeds, p.offsets)
         tok = torch.where(p.do_sample, tok_s, tok)
 
     pos = torch.arange(L + 1, device=dev)
@@ -132,3 +127,34 @@ def verify_torch(p) -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.where(pos[None] < n[:, None], dpad, torch.full_like(dpad, -1))
     out = torch.where(pos[None] == n[:, None], tok[:, None], out)
     return n, out
+
+
+def flat_race(p_e: torch.Tensor, q_e: torch.Tensor, E: torch.Tensor) -> torch.Tensor:
+    """Explicit noise ``E [R, V]``: ``argmax_v max(p - q, 0)_v / E_v``, or ``argmax_v p_v / E_v`` when
+    the residual has no mass (first id on ties)."""
+    inv_e = 1.0 / E
+    best_r, tok_r = ((p_e - q_e).clamp_min(0.0) * inv_e).max(dim=-1)
+    return torch.where(best_r > 0, tok_r, (p_e * inv_e).argmax(dim=-1))
+
+
+def group_race(p_e: torch.Tensor, q_e: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Counter-based noise: the two-level exponential race (exactly a sample of the normalised residual).
+
+    The ids are split into groups of ``rng.RACE_GROUP``. Group g wins with key ``mass_g / E_g``
+    (``mass_g`` = its residual mass, ``E_g`` from ``STREAM_GROUP``), i.e. with probability
+    ``mass_g / total``; inside it id v wins with key ``max(p - q, 0)_v / E_v`` (``STREAM_RESIDUAL``),
+    i.e. with probability ``res_v / mass_g``. With no residual mass: ``argmax_v p_v / E_v``."""
+    R, V = p_e.shape
+    res = (p_e - q_e).clamp_min(0.0)
+    G = rng.RACE_GROUP
+    n_groups = -(-V // G)
+    mass = torch.nn.functional.pad(res, (0, n_groups * G - V)).view(R, n_groups, G).sum(-1)
+    best_g, g = (mass / rng.exponentials(seeds, offsets, rng.STREAM_GROUP, torch.arange(n_groups, device=p_e.device))).max(-1)
+    ids = g[:, None] * G + torch.arange(G, device=p_e.device)[None, :]
+    inside = ids < V
+    ids = ids.clamp(max=V - 1)
+    inv_e = 1.0 / rng.exponentials(seeds, offsets, rng.STREAM_RESIDUAL, ids)
+    key = torch.where(inside, res.gather(1, ids) * inv_e, -1.0)
+    tok_g = ids.gather(1, key.argmax(-1, keepdim=True)).squeeze(1)
+    tok_p = (p_e * (1.0 / rng.residual_exponentials(seeds, offsets, V))).argmax(dim=-1)
+    return torch.where(best_g > 0, tok_g, tok_p)

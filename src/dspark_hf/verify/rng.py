@@ -14,8 +14,11 @@ Scheme (all arithmetic modulo 2**32):
 * value: ``h = mix32(mix32(counter ^ ks) + ks)``; ``u = ((h >> 8) + 0.5) * 2**-24`` in (0, 1).
 
 Streams: ``STREAM_ACCEPT`` (counter = draft position j inside the request) gives the
-acceptance uniforms; ``STREAM_RESIDUAL`` (counter = vocab id v) gives the exponentials
-``E_v = -log(u)`` (see ``exponential_from_uniform``) of the exponential race that samples the residual / bonus token.
+acceptance uniforms. The emitted token is drawn by a two-level exponential race (``E = -log(u)``,
+see ``exponential_from_uniform``): ``STREAM_GROUP`` (counter = group g of ``RACE_GROUP`` vocab ids)
+gives the noise of the race between the groups' residual masses, ``STREAM_RESIDUAL`` (counter =
+vocab id v) the noise of the race between the ids of the winning group (and of the flat race over
+p when the residual has no mass).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ MIX_C1 = 0x7FEB352D
 MIX_C2 = 0x846CA68B
 STREAM_ACCEPT = 1
 STREAM_RESIDUAL = 2
+STREAM_GROUP = 3
+RACE_GROUP = 1024  # vocab ids per group of the two-level race (a power of two)
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -85,8 +90,12 @@ def acceptance_uniforms(seeds, offsets, request_of_draft, position_of_draft) -> 
     return uniform(key, position_of_draft)
 
 
+def exponentials(seeds, offsets, stream: int, counters: torch.Tensor) -> torch.Tensor:
+    """Exp(1) noise of one stream: ``counters`` ``[C]`` (every request) or ``[R, C]`` (per request)."""
+    key = stream_key(seeds, offsets, stream)[:, None]
+    return exponential_from_uniform(uniform(key, counters if counters.dim() == 2 else counters[None, :]))
+
+
 def residual_exponentials(seeds, offsets, vocab_size: int) -> torch.Tensor:
-    """``[R, V]`` Exp(1) noise of the exponential race (materialised: reference only)."""
-    key = stream_key(seeds, offsets, STREAM_RESIDUAL)[:, None]
-    v = torch.arange(vocab_size, device=seeds.device)[None, :]
-    return exponential_from_uniform(uniform(key, v))
+    """``[R, V]`` Exp(1) noise of every vocab id (``STREAM_RESIDUAL``; materialised: reference only)."""
+    return exponentials(seeds, offsets, STREAM_RESIDUAL, torch.arange(vocab_size, device=seeds.device))

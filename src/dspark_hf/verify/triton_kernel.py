@@ -11,21 +11,19 @@ Launches (all asynchronous, no host synchronisation, no torch kernels in between
    online softmax statistics of the processed logits (per-lane running max / sum-exp, one exp per
    element), for greedy rows the max and first argmax (no exp); unmasked full tiles, one masked
    tail tile.
-3. ``_accept_kernel``, one program per request: merges the chunk statistics of all l_r + 1
-   rows at once (an ``[L_P2, NCHUNK_P2]`` block), evaluates every acceptance test in parallel
-   (counter-based uniforms) and takes the first rejection with a min-reduction; writes accepted
-   drafts + padding, the greedy emitted token, and the emit row / draft row for the race.
-4. ``_race_kernel``, grid (requests, vocab chunks): at the emit row only, the exponential race
-   ``argmax max(p - q, 0) / E`` and ``argmax p / E`` with E drawn in-kernel (never stored).
-   With ``LaunchConfig.race_prune``, tiles in which no lane can reach a key already computed for
-   the request (bounds shared through an atomic max) skip E's log/series and divisions (exact).
-5. ``_finalize_kernel``, one program per request: merges the race partials, writes the token.
+3. ``_accept_race_kernel``, grid (requests, race chunks): each program merges the chunk statistics
+   of its request's l_r + 1 rows, evaluates every acceptance test in parallel (counter-based
+   uniforms) and takes the first rejection with a min-reduction (chunk 0 writes the accepted
+   drafts and the greedy token); for sampling requests it then streams its chunk of the emit row
+   once (logits and q row), one residual sum and one noise value per group of ``rng.RACE_GROUP``
+   ids: the first level of the two-level exponential race (``reference.group_race``).
+4. ``_finalize_kernel``, one program per sampling request: merges the chunks' group keys and races
+   the ids of the winning group (noise drawn in registers, never stored), writes the token.
 
 Kernels 1-3 compute a request's flat offset ``sum(num_drafts[:r])`` themselves (a masked sum
-over ``num_drafts``, ``OFF_BLOCK`` entries at a time; 4 gets the emit row from 3), so no cumsum
-runs on the Triton path.
+over ``num_drafts``, ``OFF_BLOCK`` entries at a time), so no cumsum runs on the Triton path.
 
-Launch shape of the two streaming kernels (2 and 4): :class:`LaunchConfig` (BLOCK, num_warps,
+Launch shape of the two streaming kernels (2 and 3): :class:`LaunchConfig` (BLOCK, num_warps,
 programs aimed for per SM, software-pipelining stages of the tile loop); the module default
 is replaced with :func:`set_launch_config` or per call with ``verify_triton(p, config=...)``.
 Runtime integers that change with the batch (chunk and tile counts, output width, strides of
@@ -50,30 +48,28 @@ FILTER_CANDIDATES = 2048  # values per row the top-k filter gathers before its s
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """Launch shape of ``_stats_kernel`` (every target row), ``_race_kernel`` (emit rows) and
-    ``_filter_kernel`` (one program per row to filter; no ``programs_per_sm``).
+    """Launch shape of ``_stats_kernel`` (every target row), ``_accept_race_kernel`` (emit rows;
+    its tile is a race group, ``rng.RACE_GROUP`` ids) and ``_filter_kernel`` (one program per row to
+    filter; no ``programs_per_sm``).
 
     ``*_block``: vocab entries per tile (power of two; capped at next_power_of_2(V)).
     ``*_warps``: num_warps. ``*_programs_per_sm``: the vocab is split into chunks so that about
     this many programs per SM are launched (at least one tile per chunk).
     ``*_stages``: ``tl.range(num_stages=...)`` software pipelining of the tile loads; 1 = a
-    plain loop. ``race_prune``: skip the noise of race tiles that provably cannot win (exact; see
-    ``_race_tile``). Results do not depend on the configuration beyond float32 rounding of the
+    plain loop. Results do not depend on the configuration beyond float32 rounding of the
     softmax denominators and of the top-p mass (the chunking and the filter's block change the
     summation order). The defaults come from ``benchmarks/verify_kernel.py --sweep`` on an H200
-    (triton 3.6): stats and race from the sweep of 2026-11-30 (a later sweep's pick was within its
-    noise on the two shapes it scores and slower at l = 15), filter from the sweep of 2026-12-01
-    (0.58 ms against 0.70 ms unpipelined at batch 64, l = 7, top-k 50 / top-p 0.9)."""
+    (triton 3.6): stats from the sweep of 2026-11-30 (a later sweep's pick was within its noise on
+    the two shapes it scores and slower at l = 15), filter from the sweep of 2026-12-01 (0.58 ms
+    against 0.70 ms unpipelined at batch 64, l = 7, top-k 50 / top-p 0.9)."""
 
     stats_block: int = 2048
     stats_warps: int = 4
     stats_programs_per_sm: int = 4
     stats_stages: int = 3
-    race_block: int = 1024
     race_warps: int = 4
     race_programs_per_sm: int = 16
     race_stages: int = 3
-    race_prune: bool = True
     filter_block: int = 256
     filter_warps: int = 4
     filter_stages: int = 3
@@ -285,7 +281,7 @@ def _filter_row(
 
 @triton.jit(do_not_specialize=["ds_s", "temp_s", "NCHUNK", "TILES"])
 def _stats_kernel(
-    logits_ptr, stride_l, nd_ptr, ds_ptr, ds_s, temp_ptr, temp_s, thr_ptr, pm_ptr, pz_ptr, pi_ptr,
+    logits_ptr, stride_l, nd_ptr, ds_ptr, ds_s, temp_ptr, temp_s, thr_ptr, pm_ptr, pz_ptr, pi_ptr, ticket_ptr,
     V, NCHUNK, TILES,
     HAS_THR: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr, OFF_B: tl.constexpr,
     FAST_EXP: tl.constexpr,
@@ -293,6 +289,8 @@ def _stats_kernel(
     req = tl.program_id(0)
     j = tl.program_id(1)
     chunk = tl.program_id(2)
+    if (j == 0) & (chunk == 0):
+        tl.store(ticket_ptr + req, 0)  # the race kernel's count of finished chunks
     off = _offset_of(nd_ptr, req, OFF_B)  # issued together with the length load below
     if j <= tl.load(nd_ptr + req):
         row = off + req + j
@@ -397,30 +395,23 @@ def _stats_row(
         tl.store(pi_ptr + out, tl.min(tl.where(m_vec == m, i_vec, 2147483647), axis=0))
 
 
-@triton.jit(do_not_specialize=["ds_s", "temp_s", "seed_s", "off_s", "stride_o", "NCHUNK", "OUT_W"])
-def _accept_kernel(
-    logits_ptr, stride_l, q_ptr, stride_q, draft_ptr, nd_ptr, ds_ptr, ds_s, temp_ptr, temp_s,
-    thr_ptr, pm_ptr, pz_ptr, pi_ptr, seed_ptr, seed_s, off_ptr, off_s, key2_ptr, unif_ptr,
-    out_ptr, stride_o, nacc_ptr, em_ptr, ez_ptr, erow_ptr, qrow_ptr, gbr_ptr, gbp_ptr, NCHUNK, OUT_W,
+@triton.jit
+def _accept_request(
+    r, logits_ptr, stride_l, q_ptr, stride_q, draft_ptr, nd_ptr, ds, temp, thr_ptr, pm_ptr, pz_ptr, pi_ptr,
+    key1, unif_ptr, out_ptr, stride_o, nacc_ptr, NCHUNK, OUT_W, write,
     HAS_Q: tl.constexpr, HAS_THR: tl.constexpr, EXPLICIT_U: tl.constexpr,
     NCHUNK_P2: tl.constexpr, L_P2: tl.constexpr, OFF_B: tl.constexpr,
 ):
-    r = tl.program_id(0)
+    """Acceptance of request r: merges the chunk statistics of its l + 1 rows at once (an
+    ``[L_P2, NCHUNK_P2]`` block), runs every acceptance test in parallel and takes the first
+    rejection n (l when all are accepted). ``write``: store n, the accepted drafts and the greedy
+    token. Returns (n, l, the request's flat draft offset, max and sum-exp of the emit row n)."""
     l = tl.load(nd_ptr + r)
     off = _offset_of(nd_ptr, r, OFF_B)
-    row0 = off + r
-    ds = tl.load(ds_ptr + r * ds_s) != 0
-    temp = 1.0 / tl.where(ds, tl.load(temp_ptr + r * temp_s), 1.0)  # multiplier
-    seed = tl.load(seed_ptr + r * seed_s)
-    offset = tl.load(off_ptr + r * off_s)
-    key1 = _stream_key(seed, offset, 1)
-    tl.store(key2_ptr + r, _stream_key(seed, offset, 2).to(tl.int64))
-
-    # statistics of all l + 1 rows of the request at once: [L_P2, NCHUNK_P2]
     jj = tl.arange(0, L_P2)  # row j of the request = draft position j (j == l: bonus row)
     rv = jj <= l
     dv = jj < l
-    rows = row0 + jj
+    rows = off + r + jj
     c = tl.arange(0, NCHUNK_P2)
     ci = rows[:, None] * NCHUNK + c[None, :]
     cmask = rv[:, None] & (c < NCHUNK)[None, :]
@@ -432,7 +423,6 @@ def _accept_kernel(
     z = tl.where(rv, z, 1.0)
     amax = tl.min(tl.where(pm == m[:, None], pi, 2147483647), axis=1)
 
-    # every acceptance test in parallel; n = first rejected position (l when all accepted)
     d = tl.load(draft_ptr + off + jj, mask=dv, other=0)
     s_d = tl.load(logits_ptr + rows * stride_l + d, mask=dv, other=float("-inf")).to(tl.float32) * temp
     thr = float("-inf")
@@ -453,216 +443,213 @@ def _accept_kernel(
     sel = jj == n
     m_e = tl.max(tl.where(sel, m, float("-inf")), axis=0)
     z_e = tl.max(tl.where(sel, z, float("-inf")), axis=0)
-    amax_e = tl.min(tl.where(sel, amax, 2147483647), axis=0)
-    tl.store(nacc_ptr + r, n)
-    tl.store(em_ptr + r, m_e)
-    tl.store(ez_ptr + r, z_e)
-    tl.store(erow_ptr + r, row0 + n)
-    tl.store(qrow_ptr + r, tl.where(n < l, off + n, -1))  # draft row of the emit position, -1: bonus
-    tl.store(gbr_ptr + r, 0)  # race bounds (race_prune, int32 bits of a float key >= 0): none yet
-    tl.store(gbp_ptr + r, 0)
-    emit = tl.where(ds, -1, amax_e.to(tl.int64))
-    tok = tl.where(jj < n, d, tl.where(jj == n, emit, -1))
-    tl.store(out_ptr + r * stride_o + jj, tok, mask=jj < OUT_W)
+    if write:
+        amax_e = tl.min(tl.where(sel, amax, 2147483647), axis=0)
+        tl.store(nacc_ptr + r, n)
+        emit = tl.where(ds, -1, amax_e.to(tl.int64))  # sampling requests: the finalize kernel's token
+        tok = tl.where(jj < n, d, tl.where(jj == n, emit, -1))
+        tl.store(out_ptr + r * stride_o + jj, tok, mask=jj < OUT_W)
+    return n, l, off, m_e, z_e
 
 
-@triton.jit(do_not_specialize=["ds_s", "temp_s", "NCHUNK", "TILES"])
-def _race_kernel(
-    logits_ptr, stride_l, q_ptr, stride_q, draft_ptr, ds_ptr, ds_s, temp_ptr, temp_s,
-    thr_ptr, erow_ptr, qrow_ptr, em_ptr, ez_ptr, key_ptr, exp_ptr, stride_e, gbr_ptr, gbp_ptr,
-    pr_ptr, pri_ptr, pp_ptr, ppi_ptr, V, NCHUNK, TILES,
-    HAS_Q: tl.constexpr, HAS_THR: tl.constexpr, EXPLICIT_E: tl.constexpr, BLOCK: tl.constexpr,
-    STAGES: tl.constexpr, PRUNE: tl.constexpr,
+@triton.jit(do_not_specialize=["ds_s", "temp_s", "seed_s", "off_s", "stride_o", "NCHUNK_S", "NCHUNK", "TILES",
+                               "OUT_W"])
+def _accept_race_kernel(
+    logits_ptr, stride_l, q_ptr, stride_q, draft_ptr, nd_ptr, ds_ptr, ds_s, temp_ptr, temp_s, thr_ptr,
+    pm_ptr, pz_ptr, pi_ptr, seed_ptr, seed_s, off_ptr, off_s, unif_ptr, exp_ptr, stride_e,
+    out_ptr, stride_o, nacc_ptr, ticket_ptr, rv_ptr, ri_ptr, pv_ptr, pvi_ptr, V, NCHUNK_S, NCHUNK, TILES, OUT_W,
+    HAS_Q: tl.constexpr, HAS_THR: tl.constexpr, EXPLICIT_U: tl.constexpr, EXPLICIT_E: tl.constexpr,
+    SAMPLE: tl.constexpr, NCHUNK_P2: tl.constexpr, L_P2: tl.constexpr, NCHUNK_R_P2: tl.constexpr,
+    OFF_B: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
 ):
+    """Grid (requests, race chunks). Every program of a sampling request evaluates the request's
+    acceptance (a few loads; chunk 0 writes it), then races its chunk of the emit row (see
+    ``_race_chunk``); the request's last program to finish draws the token."""
     r = tl.program_id(0)
     chunk = tl.program_id(1)
     ds = tl.load(ds_ptr + r * ds_s) != 0
-    if ds:
-        e = tl.load(erow_ptr + r)
-        qrow = tl.load(qrow_ptr + r)  # -1: bonus row (q = 0)
-        has_q = qrow >= 0
-        qrow = tl.maximum(qrow, 0)
-        m = tl.load(em_ptr + r)
-        inv_z = 1.0 / tl.load(ez_ptr + r)
-        temp = 1.0 / tl.load(temp_ptr + r * temp_s)  # multiplier
-        thr = float("-inf")
-        if HAS_THR:
-            thr = tl.load(thr_ptr + e)
-        d = tl.where(has_q, tl.load(draft_ptr + qrow), -1)
-        key = tl.load(key_ptr + r).to(tl.uint32)
-        base = logits_ptr + e.to(tl.int64) * stride_l
-        qbase = q_ptr + qrow.to(tl.int64) * stride_q
-        ebase = exp_ptr + r.to(tl.int64) * stride_e
-        t0 = chunk * TILES
-        n_full = V // BLOCK
-        t1 = tl.minimum(t0 + TILES, n_full)
-        tail = (n_full * BLOCK < V) & (n_full >= t0) & (n_full < t0 + TILES)
-        gbr = gbr_ptr + r
-        gbp = gbp_ptr + r
-        if HAS_Q:
-            if has_q:
-                br, bri, bp, bpi = _race_span(base, qbase, ebase, gbr, gbp, t0, t1, tail, n_full, V, d, key, temp,
-                                              m, inv_z, thr, 1, HAS_THR, EXPLICIT_E, BLOCK, STAGES, PRUNE)
-            else:
-                br, bri, bp, bpi = _race_span(base, qbase, ebase, gbr, gbp, t0, t1, tail, n_full, V, d, key, temp,
-                                              m, inv_z, thr, 0, HAS_THR, EXPLICIT_E, BLOCK, STAGES, PRUNE)
-        else:
-            br, bri, bp, bpi = _race_span(base, qbase, ebase, gbr, gbp, t0, t1, tail, n_full, V, d, key, temp,
-                                          m, inv_z, thr, 2, HAS_THR, EXPLICIT_E, BLOCK, STAGES, PRUNE)
-        lane = tl.arange(0, BLOCK)
-        vr = tl.max(br, axis=0)
-        ir = tl.min(tl.where(br == vr, tl.where(bri >= 0, bri * BLOCK + lane, 0), 2147483647), axis=0)
-        vp = tl.max(bp, axis=0)
-        ip = tl.min(tl.where(bp == vp, tl.where(bpi >= 0, bpi * BLOCK + lane, 0), 2147483647), axis=0)
-        o = r * NCHUNK + chunk
-        tl.store(pr_ptr + o, vr)
-        tl.store(pri_ptr + o, ir)
-        tl.store(pp_ptr + o, vp)
-        tl.store(ppi_ptr + o, ip)
+    if ds | (chunk == 0):
+        temp = 1.0 / tl.where(ds, tl.load(temp_ptr + r * temp_s), 1.0)  # multiplier
+        seed = tl.load(seed_ptr + r * seed_s)
+        offset = tl.load(off_ptr + r * off_s)
+        n, l, off, m, z = _accept_request(
+            r, logits_ptr, stride_l, q_ptr, stride_q, draft_ptr, nd_ptr, ds, temp, thr_ptr, pm_ptr, pz_ptr,
+            pi_ptr, _stream_key(seed, offset, 1), unif_ptr, out_ptr, stride_o, nacc_ptr, NCHUNK_S, OUT_W,
+            chunk == 0, HAS_Q, HAS_THR, EXPLICIT_U, NCHUNK_P2, L_P2, OFF_B)
+        if SAMPLE:
+            if ds:
+                e = off + r + n
+                has_q = n < l
+                qrow = tl.where(has_q, off + n, 0)  # the emit position's draft row
+                _race_chunk(logits_ptr + e.to(tl.int64) * stride_l, q_ptr + qrow.to(tl.int64) * stride_q,
+                            tl.load(draft_ptr + qrow, mask=has_q, other=-1), tl.where(has_q, V, 0), temp, m,
+                            1.0 / z, thr_ptr + e,
+                            exp_ptr + r.to(tl.int64) * stride_e, seed, offset, chunk, r * NCHUNK, ticket_ptr + r,
+                            rv_ptr, ri_ptr, pv_ptr, pvi_ptr, out_ptr + r * stride_o + n, V, NCHUNK, TILES,
+                            HAS_Q, HAS_THR, EXPLICIT_E, NCHUNK_R_P2, BLOCK, STAGES)
 
 
 @triton.jit
-def _race_span(
-    base, qbase, ebase, gbr, gbp, t0, t1, tail, n_full, V, d, key, temp, m, inv_z, thr,
-    Q_MODE: tl.constexpr, HAS_THR: tl.constexpr, EXPLICIT_E: tl.constexpr, BLOCK: tl.constexpr,
-    STAGES: tl.constexpr, PRUNE: tl.constexpr,
+def _race_chunk(
+    base, qbase, d, q_len, temp, m, inv_z, thr_ptr, ebase, seed, offset, chunk, o0, ticket_ptr, rv_ptr, ri_ptr,
+    pv_ptr, pvi_ptr, tok_ptr, V, NCHUNK, TILES, HAS_Q: tl.constexpr, HAS_THR: tl.constexpr,
+    EXPLICIT_E: tl.constexpr, NCHUNK_P2: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
 ):
-    """Full tiles [t0, t1) without masks, then the masked tail tile n_full if ``tail``.
-    Per lane: best keys (br, bp) and the tile of their first occurrence (bri, bpi)."""
-    lane = tl.arange(0, BLOCK)
-    br = tl.full([BLOCK], -1.0, tl.float32)
-    bri = tl.full([BLOCK], -1, tl.int32)
-    bp = tl.full([BLOCK], -1.0, tl.float32)
-    bpi = tl.full([BLOCK], -1, tl.int32)
-    # PRUNE: lower bounds of the request's two race maxima (this program's and, through the
-    # atomics, other programs' keys); tiles that provably cannot reach them skip the noise.
-    if PRUNE:
-        b_r = tl.load(gbr, volatile=True).to(tl.float32, bitcast=True)
-        b_p = tl.load(gbp, volatile=True).to(tl.float32, bitcast=True)
-    else:
-        b_r = tl.full((), -1.0, tl.float32)
-        b_p = tl.full((), -1.0, tl.float32)
-    if STAGES > 1:
-        for t in tl.range(t0, t1, num_stages=STAGES):
-            br, bri, bp, bpi, b_r, b_p = _race_tile(
-                base, qbase, ebase, gbr, gbp, t * BLOCK + lane, t, V, d, key, temp, m, inv_z, thr,
-                br, bri, bp, bpi, b_r, b_p, Q_MODE, HAS_THR, EXPLICIT_E, False, PRUNE)
-    else:
-        for t in range(t0, t1):
-            br, bri, bp, bpi, b_r, b_p = _race_tile(
-                base, qbase, ebase, gbr, gbp, t * BLOCK + lane, t, V, d, key, temp, m, inv_z, thr,
-                br, bri, bp, bpi, b_r, b_p, Q_MODE, HAS_THR, EXPLICIT_E, False, PRUNE)
-    if tail:
-        br, bri, bp, bpi, b_r, b_p = _race_tile(
-            base, qbase, ebase, gbr, gbp, n_full * BLOCK + lane, n_full, V, d, key, temp, m, inv_z, thr,
-            br, bri, bp, bpi, b_r, b_p, Q_MODE, HAS_THR, EXPLICIT_E, True, PRUNE)
-    return br, bri, bp, bpi
+    """One chunk of the emit row's race, then, in the request's last program, the token.
 
-
-@triton.jit
-def _race_keys(u, r, p, br, bri, bp, bpi, t, mask, EXPLICIT_E: tl.constexpr, ex, MASKED: tl.constexpr):
+    Counter noise: each group of BLOCK = ``rng.RACE_GROUP`` ids enters its residual mass over its
+    Exp(1) noise (one sum and one noise value per group); the last program takes the best group
+    and races its ids (or, with no residual mass anywhere, every id of p). Explicit noise: every
+    id races; the last program merges the chunks. The ticket counter was zeroed by the stats kernel."""
+    t0 = chunk * TILES
+    n_full = V // BLOCK
+    t1 = tl.minimum(t0 + TILES, n_full)
+    tail = (n_full * BLOCK < V) & (n_full >= t0) & (n_full < t0 + TILES)
+    o = o0 + chunk
     if EXPLICIT_E:
-        inv_e = 1.0 / ex
+        _flat_race_span(base, qbase, d, q_len, temp, m, inv_z, ebase, thr_ptr, t0, t1, tail, n_full, V, rv_ptr + o,
+                        ri_ptr + o, pv_ptr + o, pvi_ptr + o, HAS_Q, HAS_THR, BLOCK)
     else:
-        inv_e = 1.0 / _exp1(u)
-    kr = r * inv_e
-    kp = p * inv_e
-    if MASKED:
-        kr = tl.where(mask, kr, -1.0)
-        kp = tl.where(mask, kp, -1.0)
-    ur = kr > br
-    bri = tl.where(ur, t, bri)
-    br = tl.where(ur, kr, br)
-    up = kp > bp
-    bpi = tl.where(up, t, bpi)
-    bp = tl.where(up, kp, bp)
-    return br, bri, bp, bpi
+        gkey = _stream_key(seed, offset, rng.STREAM_GROUP)
+        best, best_g = _group_race_span(base, qbase, d, q_len, temp, m, inv_z, gkey, thr_ptr, t0, t1, tail, n_full,
+                                        V, HAS_Q, HAS_THR, BLOCK, STAGES)
+        tl.store(rv_ptr + o, best)
+        tl.store(ri_ptr + o, best_g)
+    tl.debug_barrier()  # every thread's stores precede the release below
+    if tl.atomic_add(ticket_ptr, 1, sem="acq_rel") == NCHUNK - 1:  # the request's last program
+        c = tl.arange(0, NCHUNK_P2)
+        cm = c < NCHUNK
+        vr, ir = _first_max(tl.load(rv_ptr + o0 + c, mask=cm, other=-1.0, volatile=True),
+                            tl.load(ri_ptr + o0 + c, mask=cm, other=2147483647, volatile=True))
+        if EXPLICIT_E:
+            vp, ip = _first_max(tl.load(pv_ptr + o0 + c, mask=cm, other=-1.0, volatile=True),
+                                tl.load(pvi_ptr + o0 + c, mask=cm, other=2147483647, volatile=True))
+            tok = tl.where(vr > 0, ir, ip)
+        else:
+            key = _stream_key(seed, offset, rng.STREAM_RESIDUAL)
+            if vr > 0:
+                tok = _emit_from_group(base, qbase, d, q_len, temp, m, inv_z, thr_ptr, key, ir, V, HAS_Q, HAS_THR,
+                                       BLOCK)
+            else:
+                tok = _emit_from_p(base, temp, m, inv_z, thr_ptr, key, V, HAS_THR, BLOCK)
+        tl.store(tok_ptr, tok.to(tl.int64))
 
 
 @triton.jit
-def _race_tile(
-    base, qbase, ebase, gbr, gbp, offs, t, V, d, key, temp, m, inv_z, thr, br, bri, bp, bpi, b_r, b_p,
-    Q_MODE: tl.constexpr, HAS_THR: tl.constexpr, EXPLICIT_E: tl.constexpr, MASKED: tl.constexpr,
-    PRUNE: tl.constexpr,
-):
-    """One tile of both races: keys ``max(p - q, 0) / E`` and ``p / E``. Q_MODE: 0 = no draft row
-    (q = 0), 1 = load q, 2 = one-hot at d. ``bri`` / ``bpi``: tile of each lane's first maximum.
-
-    PRUNE (implicit noise only): E = _exp1(u) >= -log(u) * (1 - 1e-5) >= (1 - u) * (1 - 1e-5)
-    (float32 error of _exp1 and of the division below 1e-5 relative), so a lane whose
-    ``x * 1.001 < b * (1 - u)`` (x = r or p, b > 0 a key already computed for this request)
-    has a key strictly below b: it can be neither the maximum nor tied with it. The noise, its
-    reciprocal and the updates run only for tiles where some lane can still reach a bound
-    (a bound of 0, the start, keeps every lane). Once the residual race has a positive key the p race is
-    never read (finalize takes it only when the residual maximum is 0) and stops keeping tiles."""
+def _residual_tile(base, qbase, d, q_len, temp, m, inv_z, thr_ptr, offs, V, HAS_Q: tl.constexpr,
+                   HAS_THR: tl.constexpr, MASKED: tl.constexpr):
+    """p and the residual max(p - q, 0) of one tile of the emit row (0 outside the vocab). q: the
+    row at ``qbase`` (HAS_Q; its first ``q_len`` entries: V, or 0 for the bonus row, which has no
+    draft) or one-hot at d (d = -1 for the bonus row)."""
     if MASKED:
-        mask = offs < V
-        s = tl.load(base + offs, mask=mask, other=float("-inf")).to(tl.float32) * temp
+        s = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * temp
     else:
-        mask = None
         s = tl.load(base + offs).to(tl.float32) * temp
     p = tl.exp(s - m) * inv_z  # masked lanes: exp(-inf) = 0
     if HAS_THR:
-        p = tl.where(s >= thr, p, 0.0)
-    if Q_MODE == 1:
-        if MASKED:
-            q = tl.load(qbase + offs, mask=mask, other=0.0).to(tl.float32)
-        else:
-            q = tl.load(qbase + offs).to(tl.float32)
-    elif Q_MODE == 2:
+        p = tl.where(s >= tl.load(thr_ptr), p, 0.0)
+    if HAS_Q:
+        q = tl.load(qbase + offs, mask=offs < q_len, other=0.0).to(tl.float32)
+    else:
         q = tl.where(offs == d, 1.0, 0.0)
-    else:
-        q = tl.zeros_like(p)
-    r = tl.maximum(p - q, 0.0)
-    if EXPLICIT_E:
-        if MASKED:
-            ex = tl.load(ebase + offs, mask=mask, other=1.0)
-        else:
-            ex = tl.load(ebase + offs)
-        br, bri, bp, bpi = _race_keys(p, r, p, br, bri, bp, bpi, t, mask, True, ex, MASKED)
-    else:
-        u = _uniform(key, offs)
-        if PRUNE:
-            omu = 1.0 - u  # > 0
-            b_pe = tl.where(b_r > 0, float("inf"), b_p)  # p race still needed only while b_r <= 0
-            cand = (r * 1.001 >= b_r * omu) | (p * 1.001 >= b_pe * omu)  # bound < 0: every lane
-            if MASKED:
-                cand = cand & mask
-            if tl.max(cand.to(tl.int32), axis=0) > 0:
-                br, bri, bp, bpi = _race_keys(u, r, p, br, bri, bp, bpi, t, mask, False, u, MASKED)
-                # publish this program's best keys; the old values returned are other programs'
-                # (all are keys of this request, so valid bounds). Keys >= 0: int32 order of
-                # the float bits is their order; relaxed: a stale bound only prunes less.
-                lr = tl.maximum(tl.max(br, axis=0).to(tl.int32, bitcast=True), 0)
-                lp = tl.maximum(tl.max(bp, axis=0).to(tl.int32, bitcast=True), 0)
-                b_r = tl.maximum(lr, tl.atomic_max(gbr, lr, sem="relaxed")).to(tl.float32, bitcast=True)
-                b_p = tl.maximum(lp, tl.atomic_max(gbp, lp, sem="relaxed")).to(tl.float32, bitcast=True)
-        else:
-            br, bri, bp, bpi = _race_keys(u, r, p, br, bri, bp, bpi, t, mask, False, u, MASKED)
-    return br, bri, bp, bpi, b_r, b_p
+    return p, tl.maximum(p - q, 0.0)
 
 
-@triton.jit(do_not_specialize=["ds_s", "stride_o", "NCHUNK"])
-def _finalize_kernel(
-    ds_ptr, ds_s, nacc_ptr, pr_ptr, pri_ptr, pp_ptr, ppi_ptr, out_ptr, stride_o, NCHUNK,
-    NCHUNK_P2: tl.constexpr,
-):
-    r = tl.program_id(0)
-    ds = tl.load(ds_ptr + r * ds_s) != 0
-    if ds:
-        c = tl.arange(0, NCHUNK_P2)
-        cm = c < NCHUNK
-        vr = tl.load(pr_ptr + r * NCHUNK + c, mask=cm, other=-1.0)
-        ir = tl.load(pri_ptr + r * NCHUNK + c, mask=cm, other=2147483647)
-        vp = tl.load(pp_ptr + r * NCHUNK + c, mask=cm, other=-1.0)
-        ip = tl.load(ppi_ptr + r * NCHUNK + c, mask=cm, other=2147483647)
-        br = tl.max(vr, axis=0)
-        tr = tl.min(tl.where(vr == br, ir, 2147483647), axis=0)
-        bp = tl.max(vp, axis=0)
-        tp = tl.min(tl.where(vp == bp, ip, 2147483647), axis=0)
-        tok = tl.where(br > 0, tr, tp).to(tl.int64)
-        n = tl.load(nacc_ptr + r)
-        tl.store(out_ptr + r * stride_o + n, tok)
+@triton.jit
+def _group_key(base, qbase, d, q_len, temp, m, inv_z, gkey, thr_ptr, offs, g, V, best, best_g,
+               HAS_Q: tl.constexpr, HAS_THR: tl.constexpr, MASKED: tl.constexpr):
+    """Race key of group g: its residual mass over its Exp(1) noise; keeps the larger (first on ties)."""
+    _, res = _residual_tile(base, qbase, d, q_len, temp, m, inv_z, thr_ptr, offs, V, HAS_Q, HAS_THR, MASKED)
+    key = tl.sum(res, axis=0) / _exp1(_uniform(gkey, g + tl.zeros((), tl.int32)))  # g: a loop index
+    up = key > best
+    return tl.where(up, key, best), tl.where(up, g, best_g)
+
+
+@triton.jit
+def _group_race_span(base, qbase, d, q_len, temp, m, inv_z, gkey, thr_ptr, t0, t1, tail, n_full, V,
+                     HAS_Q: tl.constexpr, HAS_THR: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):
+    """Best group key in groups [t0, t1) (unmasked) and the masked tail group n_full if ``tail``;
+    (0, -1) when none of them has residual mass."""
+    lane = tl.arange(0, BLOCK)
+    best = tl.full((), 0.0, tl.float32)
+    best_g = tl.full((), -1, tl.int32)
+    if STAGES > 1:
+        for g in tl.range(t0, t1, num_stages=STAGES):
+            best, best_g = _group_key(base, qbase, d, q_len, temp, m, inv_z, gkey, thr_ptr, g * BLOCK + lane, g, V, best,
+                                      best_g, HAS_Q, HAS_THR, False)
+    else:
+        for g in range(t0, t1):
+            best, best_g = _group_key(base, qbase, d, q_len, temp, m, inv_z, gkey, thr_ptr, g * BLOCK + lane, g, V, best,
+                                      best_g, HAS_Q, HAS_THR, False)
+    if tail:
+        best, best_g = _group_key(base, qbase, d, q_len, temp, m, inv_z, gkey, thr_ptr, n_full * BLOCK + lane, n_full, V,
+                                  best, best_g, HAS_Q, HAS_THR, True)
+    return best, best_g
+
+
+@triton.jit
+def _id_race(w, inv_e, offs, best, best_i):
+    """Keeps each lane's larger key w / E (the first id on ties)."""
+    key = w * inv_e
+    up = key > best
+    return tl.where(up, key, best), tl.where(up, offs, best_i)
+
+
+@triton.jit
+def _first_max(best, best_i):
+    v = tl.max(best, axis=0)
+    return v, tl.min(tl.where(best == v, best_i, 2147483647), axis=0)
+
+
+@triton.jit
+def _flat_race_span(base, qbase, d, q_len, temp, m, inv_z, ebase, thr_ptr, t0, t1, tail, n_full, V,
+                    rv_ptr, ri_ptr, pv_ptr, pvi_ptr, HAS_Q: tl.constexpr, HAS_THR: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    """Explicit noise E (tests): both races ``max(p - q, 0) / E`` and ``p / E`` over every id of tiles
+    [t0, t1) and the tail; stores each race's best key and first id."""
+    lane = tl.arange(0, BLOCK)
+    br = tl.full([BLOCK], -1.0, tl.float32)
+    bri = tl.full([BLOCK], 2147483647, tl.int32)
+    bp = tl.full([BLOCK], -1.0, tl.float32)
+    bpi = tl.full([BLOCK], 2147483647, tl.int32)
+    t_end = tl.where(tail, n_full + 1, t1)
+    for t in range(t0, t_end):
+        offs = t * BLOCK + lane
+        p, res = _residual_tile(base, qbase, d, q_len, temp, m, inv_z, thr_ptr, offs, V, HAS_Q, HAS_THR, True)
+        inv_e = 1.0 / tl.load(ebase + offs, mask=offs < V, other=1.0)
+        br, bri = _id_race(tl.where(offs < V, res, -1.0), inv_e, offs, br, bri)
+        bp, bpi = _id_race(tl.where(offs < V, p, -1.0), inv_e, offs, bp, bpi)
+    vr, ir = _first_max(br, bri)
+    vp, ip = _first_max(bp, bpi)
+    tl.store(rv_ptr, vr)
+    tl.store(ri_ptr, ir)
+    tl.store(pv_ptr, vp)
+    tl.store(pvi_ptr, ip)
+
+
+@triton.jit
+def _emit_from_group(base, qbase, d, q_len, temp, m, inv_z, thr_ptr, key, g, V, HAS_Q: tl.constexpr,
+                     HAS_THR: tl.constexpr, BLOCK: tl.constexpr):
+    """The id race ``max(p - q, 0) / E_v`` inside group g (noise: the id's own counter)."""
+    offs = g * BLOCK + tl.arange(0, BLOCK)
+    _, res = _residual_tile(base, qbase, d, q_len, temp, m, inv_z, thr_ptr, offs, V, HAS_Q, HAS_THR, True)
+    inv_e = 1.0 / _exp1(_uniform(key, offs))
+    best, best_i = _id_race(tl.where(offs < V, res, -1.0), inv_e, offs, tl.full([BLOCK], -1.0, tl.float32),
+                            tl.full([BLOCK], 2147483647, tl.int32))
+    return _first_max(best, best_i)[1]
+
+
+@triton.jit
+def _emit_from_p(base, temp, m, inv_z, thr_ptr, key, V, HAS_THR: tl.constexpr, BLOCK: tl.constexpr):
+    """The id race ``p / E_v`` over the whole row: the fallback when the residual has no mass."""
+    lane = tl.arange(0, BLOCK)
+    best = tl.full([BLOCK], -1.0, tl.float32)
+    best_i = tl.full([BLOCK], 2147483647, tl.int32)
+    for start in range(0, V, BLOCK):
+        offs = start + lane
+        p, _ = _residual_tile(base, base, -1, 0, temp, m, inv_z, thr_ptr, offs, V, False, HAS_THR, True)
+        best, best_i = _id_race(tl.where(offs < V, p, -1.0), 1.0 / _exp1(_uniform(key, offs)), offs, best, best_i)
+    return _first_max(best, best_i)[1]
 
 
 def _chunking(n_programs_rows: int, V: int, block: int, target: int) -> tuple[int, int]:
@@ -728,47 +715,30 @@ def verify_triton(p, config: LaunchConfig | None = None) -> tuple[torch.Tensor, 
     pm = torch.empty((N, nchunk), dtype=torch.float32, device=dev)
     pz = torch.empty_like(pm)
     pi = torch.empty((N, nchunk), dtype=torch.int32, device=dev)
+    ticket = torch.empty((R,), dtype=torch.int32, device=dev)
     _stats_kernel[(R, L + 1, nchunk)](
-        logits, logits.stride(0), nd, *pr_args, thr, pm, pz, pi, V, nchunk, tiles,
+        logits, logits.stride(0), nd, *pr_args, thr, pm, pz, pi, ticket, V, nchunk, tiles,
         HAS_THR=has_thr, BLOCK=sblock, STAGES=cfg.stats_stages, OFF_B=OFF_BLOCK, FAST_EXP=not _interpreting(),
         num_warps=cfg.stats_warps,
     )
     q = p.draft_probs
     has_q = q is not None
-    q_arg = q if has_q else thr
-    stride_q = q.stride(0) if has_q else 0
-    # rows padded to 16 bytes: the pointers' alignment (a specialisation) does not depend on R
-    rp = (R + 3) // 4 * 4
-    fbuf = torch.empty((2, rp), dtype=torch.float32, device=dev)  # emit-row max, sum-exp
-    gbuf = torch.empty((2, rp), dtype=torch.int32, device=dev)  # race bounds (race_prune)
-    ibuf = torch.empty((3, rp), dtype=torch.int64, device=dev)  # race key, emit row, draft row
-    draft = p.draft_ids if p.draft_ids.numel() > 0 else nacc  # never read when T == 0
-    _accept_kernel[(R,)](
-        logits, logits.stride(0), q_arg, stride_q, draft, nd, *pr_args,
-        thr, pm, pz, pi, p.seeds, p.seeds.stride(0), p.offsets, p.offsets.stride(0), ibuf[0],
-        p.uniforms if p.uniforms is not None else thr,
-        out, out.stride(0), nacc, fbuf[0], fbuf[1], ibuf[1], ibuf[2], gbuf[0], gbuf[1], nchunk, L + 1,
-        HAS_Q=has_q, HAS_THR=has_thr, EXPLICIT_U=p.uniforms is not None,
-        NCHUNK_P2=_bucket(nchunk), L_P2=_bucket(L + 1), OFF_B=OFF_BLOCK,
-        num_warps=1,
+    # race groups: rng.RACE_GROUP ids (one group when the vocabulary is smaller)
+    gblock = min(rng.RACE_GROUP, v_p2)
+    nchunk_r, tiles_r = _chunking(R, V, gblock, cfg.race_programs_per_sm * sms) if p.any_sample else (1, 1)
+    rc = (R * nchunk_r + 3) // 4 * 4  # rows padded to 16 bytes: alignment (a specialisation) independent of R
+    rv = torch.empty((2, rc), dtype=torch.float32, device=dev)  # per chunk: best race keys
+    ri = torch.empty((2, rc), dtype=torch.int32, device=dev)  # their group / id
+    ex = p.exponentials
+    _accept_race_kernel[(R, nchunk_r)](
+        logits, logits.stride(0), q if has_q else thr, q.stride(0) if has_q else 0,
+        p.draft_ids if p.draft_ids.numel() > 0 else nacc,  # never read when T == 0
+        nd, *pr_args, thr, pm, pz, pi, p.seeds, p.seeds.stride(0), p.offsets, p.offsets.stride(0),
+        p.uniforms if p.uniforms is not None else thr, ex if ex is not None else thr,
+        ex.stride(0) if ex is not None else 0, out, out.stride(0), nacc, ticket, rv[0], ri[0], rv[1], ri[1],
+        V, nchunk, nchunk_r, tiles_r, L + 1,
+        HAS_Q=has_q, HAS_THR=has_thr, EXPLICIT_U=p.uniforms is not None, EXPLICIT_E=ex is not None,
+        SAMPLE=p.any_sample, NCHUNK_P2=_bucket(nchunk), L_P2=_bucket(L + 1), NCHUNK_R_P2=_bucket(nchunk_r, 32),
+        OFF_B=OFF_BLOCK, BLOCK=gblock, STAGES=cfg.race_stages, num_warps=cfg.race_warps,
     )
-    if p.any_sample:
-        rblock = min(cfg.race_block, v_p2)
-        nchunk_r, tiles_r = _chunking(R, V, rblock, cfg.race_programs_per_sm * sms)
-        rc = (R * nchunk_r + 3) // 4 * 4
-        pr = torch.empty((2, rc), dtype=torch.float32, device=dev)
-        pri = torch.empty((2, rc), dtype=torch.int32, device=dev)
-        ex = p.exponentials
-        _race_kernel[(R, nchunk_r)](
-            logits, logits.stride(0), q_arg, stride_q, draft, *pr_args,
-            thr, ibuf[1], ibuf[2], fbuf[0], fbuf[1], ibuf[0],
-            ex if ex is not None else thr, ex.stride(0) if ex is not None else 0, gbuf[0], gbuf[1],
-            pr[0], pri[0], pr[1], pri[1], V, nchunk_r, tiles_r,
-            HAS_Q=has_q, HAS_THR=has_thr, EXPLICIT_E=ex is not None, BLOCK=rblock, STAGES=cfg.race_stages,
-            PRUNE=cfg.race_prune and ex is None, num_warps=cfg.race_warps,
-        )
-        _finalize_kernel[(R,)](
-            ds, ds.stride(0), nacc, pr[0], pri[0], pr[1], pri[1], out, out.stride(0), nchunk_r,
-            NCHUNK_P2=_bucket(nchunk_r, 32), num_warps=1,
-        )
     return nacc, out
