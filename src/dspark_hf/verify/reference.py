@@ -149,7 +149,8 @@ def group_race(p_e: torch.Tensor, q_e: torch.Tensor, seeds: torch.Tensor, offset
     G = rng.RACE_GROUP
     n_groups = -(-V // G)
     mass = torch.nn.functional.pad(res, (0, n_groups * G - V)).view(R, n_groups, G).sum(-1)
-    best_g, g = (mass / rng.exponentials(seeds, offsets, rng.STREAM_GROUP, torch.arange(n_groups, device=p_e.device))).max(-1)
+    group_noise = rng.exponentials(seeds, offsets, rng.STREAM_GROUP, torch.arange(n_groups, device=p_e.device))
+    best_g, g = (mass / group_noise).max(-1)
     ids = g[:, None] * G + torch.arange(G, device=p_e.device)[None, :]
     inside = ids < V
     ids = ids.clamp(max=V - 1)

@@ -56,23 +56,29 @@ class LaunchConfig:
     ``*_warps``: num_warps. ``*_programs_per_sm``: the vocab is split into chunks so that about
     this many programs per SM are launched (at least one tile per chunk).
     ``*_stages``: ``tl.range(num_stages=...)`` software pipelining of the tile loads; 1 = a
-    plain loop. Results do not depend on the configuration beyond float32 rounding of the
-    softmax denominators and of the top-p mass (the chunking and the filter's block change the
-    summation order). The defaults come from ``benchmarks/verify_kernel.py --sweep`` on an H200
-    (triton 3.6): stats from the sweep of 2026-11-30 (a later sweep's pick was within its noise on
-    the two shapes it scores and slower at l = 15), filter from the sweep of 2026-12-01 (0.58 ms
-    against 0.70 ms unpipelined at batch 64, l = 7, top-k 50 / top-p 0.9)."""
+    plain loop. ``dependent_launch``: on Hopper and later GPUs, launch the race kernel as a
+    programmatic dependent of the stats kernel (its programs start during the stats kernel's last
+    wave and wait for its end before reading the statistics). Results do not depend on the
+    configuration beyond float32 rounding of the softmax denominators and of the top-p mass (the
+    chunking and the filter's block change the summation order). The defaults come from H200 runs
+    of ``benchmarks/verify_kernel.py --sweep`` (triton 3.6): stats from the sweep of 2026-11-30 (a
+    later sweep's pick was within its noise on the two shapes it scores and slower at l = 15), filter
+    from the sweep of 2026-12-01 (0.58 ms against 0.70 ms unpipelined at batch 64, l = 7, top-k 50 /
+    top-p 0.9); race programs per SM and the dependent launch from a grid at batch 64, l 1-15, bf16
+    and fp32 (2026-12-01, ``benchmarks/results/verify_kernel_diagnostics/verify_launch_grid_h200.json``:
+    8 race programs per SM beat 16 by 2-6 us at l <= 7; the dependent launch saved 0-2 us)."""
 
     stats_block: int = 2048
     stats_warps: int = 4
     stats_programs_per_sm: int = 4
     stats_stages: int = 3
     race_warps: int = 4
-    race_programs_per_sm: int = 16
+    race_programs_per_sm: int = 8
     race_stages: int = 3
     filter_block: int = 256
     filter_warps: int = 4
     filter_stages: int = 3
+    dependent_launch: bool = True
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -284,8 +290,10 @@ def _stats_kernel(
     logits_ptr, stride_l, nd_ptr, ds_ptr, ds_s, temp_ptr, temp_s, thr_ptr, pm_ptr, pz_ptr, pi_ptr, ticket_ptr,
     V, NCHUNK, TILES,
     HAS_THR: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr, OFF_B: tl.constexpr,
-    FAST_EXP: tl.constexpr,
+    FAST_EXP: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()  # the race kernel may start; it waits for this grid's end
     req = tl.program_id(0)
     j = tl.program_id(1)
     chunk = tl.program_id(2)
@@ -460,11 +468,12 @@ def _accept_race_kernel(
     out_ptr, stride_o, nacc_ptr, ticket_ptr, rv_ptr, ri_ptr, pv_ptr, pvi_ptr, V, NCHUNK_S, NCHUNK, TILES, OUT_W,
     HAS_Q: tl.constexpr, HAS_THR: tl.constexpr, EXPLICIT_U: tl.constexpr, EXPLICIT_E: tl.constexpr,
     SAMPLE: tl.constexpr, NCHUNK_P2: tl.constexpr, L_P2: tl.constexpr, NCHUNK_R_P2: tl.constexpr,
-    OFF_B: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
+    OFF_B: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid (requests, race chunks). Every program of a sampling request evaluates the request's
     acceptance (a few loads; chunk 0 writes it), then races its chunk of the emit row (see
-    ``_race_chunk``); the request's last program to finish draws the token."""
+    ``_race_chunk``); the request's last program to finish draws the token. PDL: launched as a
+    programmatic dependent of the stats kernel; waits for it before reading anything it wrote."""
     r = tl.program_id(0)
     chunk = tl.program_id(1)
     ds = tl.load(ds_ptr + r * ds_s) != 0
@@ -472,6 +481,8 @@ def _accept_race_kernel(
         temp = 1.0 / tl.where(ds, tl.load(temp_ptr + r * temp_s), 1.0)  # multiplier
         seed = tl.load(seed_ptr + r * seed_s)
         offset = tl.load(off_ptr + r * off_s)
+        if PDL:
+            tl.extra.cuda.gdc_wait()  # the stats kernel has finished and its writes are visible
         n, l, off, m, z = _accept_request(
             r, logits_ptr, stride_l, q_ptr, stride_q, draft_ptr, nd_ptr, ds, temp, thr_ptr, pm_ptr, pz_ptr,
             pi_ptr, _stream_key(seed, offset, 1), unif_ptr, out_ptr, stride_o, nacc_ptr, NCHUNK_S, OUT_W,
@@ -575,15 +586,15 @@ def _group_race_span(base, qbase, d, q_len, temp, m, inv_z, gkey, thr_ptr, t0, t
     best_g = tl.full((), -1, tl.int32)
     if STAGES > 1:
         for g in tl.range(t0, t1, num_stages=STAGES):
-            best, best_g = _group_key(base, qbase, d, q_len, temp, m, inv_z, gkey, thr_ptr, g * BLOCK + lane, g, V, best,
-                                      best_g, HAS_Q, HAS_THR, False)
+            best, best_g = _group_key(base, qbase, d, q_len, temp, m, inv_z, gkey, thr_ptr, g * BLOCK + lane, g, V,
+                                      best, best_g, HAS_Q, HAS_THR, False)
     else:
         for g in range(t0, t1):
-            best, best_g = _group_key(base, qbase, d, q_len, temp, m, inv_z, gkey, thr_ptr, g * BLOCK + lane, g, V, best,
-                                      best_g, HAS_Q, HAS_THR, False)
+            best, best_g = _group_key(base, qbase, d, q_len, temp, m, inv_z, gkey, thr_ptr, g * BLOCK + lane, g, V,
+                                      best, best_g, HAS_Q, HAS_THR, False)
     if tail:
-        best, best_g = _group_key(base, qbase, d, q_len, temp, m, inv_z, gkey, thr_ptr, n_full * BLOCK + lane, n_full, V,
-                                  best, best_g, HAS_Q, HAS_THR, True)
+        best, best_g = _group_key(base, qbase, d, q_len, temp, m, inv_z, gkey, thr_ptr, n_full * BLOCK + lane, n_full,
+                                  V, best, best_g, HAS_Q, HAS_THR, True)
     return best, best_g
 
 
@@ -672,6 +683,11 @@ def _interpreting() -> bool:
 _SM_COUNT: dict = {}
 
 
+def _supports_dependent_launch(dev: torch.device) -> bool:
+    """Programmatic dependent launch: compiled CUDA code on compute capability 9.0 or later."""
+    return dev.type == "cuda" and not _interpreting() and torch.cuda.get_device_capability(dev)[0] >= 9
+
+
 def _sm_count(dev: torch.device) -> int:
     if dev.type != "cuda":
         return 1
@@ -716,10 +732,11 @@ def verify_triton(p, config: LaunchConfig | None = None) -> tuple[torch.Tensor, 
     pz = torch.empty_like(pm)
     pi = torch.empty((N, nchunk), dtype=torch.int32, device=dev)
     ticket = torch.empty((R,), dtype=torch.int32, device=dev)
+    pdl = cfg.dependent_launch and _supports_dependent_launch(dev)
     _stats_kernel[(R, L + 1, nchunk)](
         logits, logits.stride(0), nd, *pr_args, thr, pm, pz, pi, ticket, V, nchunk, tiles,
         HAS_THR=has_thr, BLOCK=sblock, STAGES=cfg.stats_stages, OFF_B=OFF_BLOCK, FAST_EXP=not _interpreting(),
-        num_warps=cfg.stats_warps,
+        PDL=pdl, num_warps=cfg.stats_warps,
     )
     q = p.draft_probs
     has_q = q is not None
@@ -739,6 +756,6 @@ def verify_triton(p, config: LaunchConfig | None = None) -> tuple[torch.Tensor, 
         V, nchunk, nchunk_r, tiles_r, L + 1,
         HAS_Q=has_q, HAS_THR=has_thr, EXPLICIT_U=p.uniforms is not None, EXPLICIT_E=ex is not None,
         SAMPLE=p.any_sample, NCHUNK_P2=_bucket(nchunk), L_P2=_bucket(L + 1), NCHUNK_R_P2=_bucket(nchunk_r, 32),
-        OFF_B=OFF_BLOCK, BLOCK=gblock, STAGES=cfg.race_stages, num_warps=cfg.race_warps,
+        OFF_B=OFF_BLOCK, BLOCK=gblock, STAGES=cfg.race_stages, PDL=pdl, num_warps=cfg.race_warps, launch_pdl=pdl,
     )
     return nacc, out
