@@ -16,9 +16,11 @@ Launches (all asynchronous, no host synchronisation, no torch kernels in between
    uniforms) and takes the first rejection with a min-reduction (chunk 0 writes the accepted
    drafts and the greedy token); for sampling requests it then streams its chunk of the emit row
    once (logits and q row), one residual sum and one noise value per group of ``rng.RACE_GROUP``
-   ids: the first level of the two-level exponential race (``reference.group_race``).
-4. ``_finalize_kernel``, one program per sampling request: merges the chunks' group keys and races
-   the ids of the winning group (noise drawn in registers, never stored), writes the token.
+   ids (the first level of the two-level exponential race, ``reference.group_race``); the
+   request's last program to finish (a ticket counter that kernel 2 zeroes) races the ids of the
+   best group and writes the token. On Hopper and later it is a programmatic dependent launch:
+   its programs start during kernel 2's last wave, load their request's inputs and wait
+   (``griddepcontrol.wait``) only before reading kernel 2's statistics.
 
 Kernels 1-3 compute a request's flat offset ``sum(num_drafts[:r])`` themselves (a masked sum
 over ``num_drafts``, ``OFF_BLOCK`` entries at a time), so no cumsum runs on the Triton path.
@@ -66,7 +68,7 @@ class LaunchConfig:
     from the sweep of 2026-12-01 (0.58 ms against 0.70 ms unpipelined at batch 64, l = 7, top-k 50 /
     top-p 0.9); race programs per SM and the dependent launch from a grid at batch 64, l 1-15, bf16
     and fp32 (2026-12-01, ``benchmarks/results/verify_kernel_diagnostics/verify_launch_grid_h200.json``:
-    8 race programs per SM beat 16 by 2-6 us at l <= 7; the dependent launch saved 0-2 us)."""
+    8 race programs per SM beat 16 by 1-4 us at l <= 7; the dependent launch saved 0-2 us)."""
 
     stats_block: int = 2048
     stats_warps: int = 4
@@ -408,18 +410,35 @@ def _accept_request(
     r, logits_ptr, stride_l, q_ptr, stride_q, draft_ptr, nd_ptr, ds, temp, thr_ptr, pm_ptr, pz_ptr, pi_ptr,
     key1, unif_ptr, out_ptr, stride_o, nacc_ptr, NCHUNK, OUT_W, write,
     HAS_Q: tl.constexpr, HAS_THR: tl.constexpr, EXPLICIT_U: tl.constexpr,
-    NCHUNK_P2: tl.constexpr, L_P2: tl.constexpr, OFF_B: tl.constexpr,
+    NCHUNK_P2: tl.constexpr, L_P2: tl.constexpr, OFF_B: tl.constexpr, PDL: tl.constexpr,
 ):
     """Acceptance of request r: merges the chunk statistics of its l + 1 rows at once (an
     ``[L_P2, NCHUNK_P2]`` block), runs every acceptance test in parallel and takes the first
     rejection n (l when all are accepted). ``write``: store n, the accepted drafts and the greedy
-    token. Returns (n, l, the request's flat draft offset, max and sum-exp of the emit row n)."""
+    token. Returns (n, l, the request's flat draft offset, max and sum-exp of the emit row n).
+    PDL: everything that is not the stats kernel's output is loaded before waiting for it."""
     l = tl.load(nd_ptr + r)
     off = _offset_of(nd_ptr, r, OFF_B)
     jj = tl.arange(0, L_P2)  # row j of the request = draft position j (j == l: bonus row)
     rv = jj <= l
     dv = jj < l
     rows = off + r + jj
+    d = tl.load(draft_ptr + off + jj, mask=dv, other=0)
+    s_d = tl.load(logits_ptr + rows * stride_l + d, mask=dv, other=float("-inf")).to(tl.float32) * temp
+    thr = float("-inf")
+    if HAS_THR:  # the filter kernel ran before the stats kernel started
+        thr = tl.load(thr_ptr + rows, mask=dv, other=float("-inf"))
+    if HAS_Q:
+        q_d = tl.load(q_ptr + (off + jj) * stride_q + d, mask=dv, other=1.0).to(tl.float32)
+    else:
+        q_d = 1.0
+    if EXPLICIT_U:
+        u = tl.load(unif_ptr + off + jj, mask=dv, other=0.0)
+    else:
+        u = _uniform(key1, jj)
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # the stats kernel has finished and its writes are visible
+
     c = tl.arange(0, NCHUNK_P2)
     ci = rows[:, None] * NCHUNK + c[None, :]
     cmask = rv[:, None] & (c < NCHUNK)[None, :]
@@ -430,21 +449,7 @@ def _accept_request(
     z = tl.sum(pz * tl.exp(pm - m[:, None]), axis=1)
     z = tl.where(rv, z, 1.0)
     amax = tl.min(tl.where(pm == m[:, None], pi, 2147483647), axis=1)
-
-    d = tl.load(draft_ptr + off + jj, mask=dv, other=0)
-    s_d = tl.load(logits_ptr + rows * stride_l + d, mask=dv, other=float("-inf")).to(tl.float32) * temp
-    thr = float("-inf")
-    if HAS_THR:
-        thr = tl.load(thr_ptr + rows, mask=dv, other=float("-inf"))
     p_d = tl.where(s_d >= thr, tl.exp(s_d - m) / z, 0.0)
-    if HAS_Q:
-        q_d = tl.load(q_ptr + (off + jj) * stride_q + d, mask=dv, other=1.0).to(tl.float32)
-    else:
-        q_d = 1.0
-    if EXPLICIT_U:
-        u = tl.load(unif_ptr + off + jj, mask=dv, other=0.0)
-    else:
-        u = _uniform(key1, jj)
     acc = tl.where(ds, u * q_d < p_d, d == amax)
     n = tl.min(tl.where(acc | (jj >= l), l, jj), axis=0).to(tl.int64)
 
@@ -481,12 +486,10 @@ def _accept_race_kernel(
         temp = 1.0 / tl.where(ds, tl.load(temp_ptr + r * temp_s), 1.0)  # multiplier
         seed = tl.load(seed_ptr + r * seed_s)
         offset = tl.load(off_ptr + r * off_s)
-        if PDL:
-            tl.extra.cuda.gdc_wait()  # the stats kernel has finished and its writes are visible
         n, l, off, m, z = _accept_request(
             r, logits_ptr, stride_l, q_ptr, stride_q, draft_ptr, nd_ptr, ds, temp, thr_ptr, pm_ptr, pz_ptr,
             pi_ptr, _stream_key(seed, offset, 1), unif_ptr, out_ptr, stride_o, nacc_ptr, NCHUNK_S, OUT_W,
-            chunk == 0, HAS_Q, HAS_THR, EXPLICIT_U, NCHUNK_P2, L_P2, OFF_B)
+            chunk == 0, HAS_Q, HAS_THR, EXPLICIT_U, NCHUNK_P2, L_P2, OFF_B, PDL)
         if SAMPLE:
             if ds:
                 e = off + r + n
@@ -511,7 +514,9 @@ def _race_chunk(
     Counter noise: each group of BLOCK = ``rng.RACE_GROUP`` ids enters its residual mass over its
     Exp(1) noise (one sum and one noise value per group); the last program takes the best group
     and races its ids (or, with no residual mass anywhere, every id of p). Explicit noise: every
-    id races; the last program merges the chunks. The ticket counter was zeroed by the stats kernel."""
+    id races; the last program merges the chunks. The ticket counter was zeroed by the stats kernel.
+    (Racing each chunk's best group in its own program instead, so that the last program only
+    compares, was slower on the H200: 23.6 against 21.0 us at batch 64, l 4.)"""
     t0 = chunk * TILES
     n_full = V // BLOCK
     t1 = tl.minimum(t0 + TILES, n_full)
