@@ -125,6 +125,36 @@ def test_sps_profile_tiny_model():
         SPSTable.profile(model, batch_tokens=[3], context_length=8, num_sequences=2, progress=False)
 
 
+def test_sps_profile_interleaves_sizes_and_keeps_the_fastest_step(monkeypatch):
+    """Timed steps go round-robin over the sizes, and each size keeps its fastest step: a slow phase (here the
+    first round of repeats, 10x slower) raises no size's cost. A fake clock advances by a scripted cost per step."""
+    transformers = pytest.importorskip("transformers")
+    from dspark_hf.scheduling import sps as sps_module
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    clock, order = [0.0], []
+    base_cost = {1: 1e-3, 2: 1.5e-3, 4: 3e-3}
+    forward = model.forward
+
+    def scripted_forward(*args, **kwargs):
+        tokens = kwargs["input_ids"].shape[1]
+        order.append(tokens)
+        timed = len(order) - 1 - 3  # after the prefill and one warm-up step per size
+        slow = 10.0 if 0 <= timed < 3 else 1.0
+        clock[0] += base_cost.get(tokens, 0.0) * slow * (1 + 0.1 * (timed // 3))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", scripted_forward)
+    monkeypatch.setattr(sps_module.time, "perf_counter", lambda: clock[0])
+    t = SPSTable.profile(model, batch_tokens=[1, 2, 4], context_length=8, warmup=1, repeats=3, progress=False)
+    assert order == [8, 1, 2, 4, 1, 2, 4, 1, 2, 4, 1, 2, 4]  # prefill, warm-ups, then round-robin
+    # fastest step per size: the second round (x1.1); the slow first round (x10) and the third (x1.2) do not count
+    assert t.steps_per_second == pytest.approx([1 / (c * 1.1) for c in base_cost.values()])
+
+
 # ----------------------------------------------------------------------------- hand-computed policy cases
 def test_fixed_and_threshold():
     conf = torch.tensor([[0.9, 0.4, 0.9], [0.3, 0.9, 0.9], [0.6, 0.6, 0.6]])
