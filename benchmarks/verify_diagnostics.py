@@ -73,8 +73,8 @@ def launch_grid() -> dict:
     shapes = {f"{str(dt)[6:]}/l={l}": vk.make_inputs(64, l, dt) for dt in (torch.bfloat16, torch.float32)
               for l in (1, 4, 7, 15)}
     base = tk.get_launch_config()
-    cfgs = {f"stats_pps={sp}/race_pps={rp}/pdl={pdl}": replace(base, stats_programs_per_sm=sp, race_programs_per_sm=rp,
-                                                                  dependent_launch=pdl)
+    cfgs = {f"stats_pps={sp}/race_pps={rp}/pdl={pdl}":
+            replace(base, stats_programs_per_sm=sp, race_programs_per_sm=rp, dependent_launch=pdl)
             for sp in (4, 6) for rp in (8, 16) for pdl in (False, True)}
     grid: dict = {}
     try:
@@ -100,8 +100,9 @@ def group_sizes() -> dict:
             rng.RACE_GROUP = G
             for l in (1, 4, 7):
                 shape = vk.make_inputs(64, l, torch.bfloat16)
-                out[f"G={G}/l={l}"] = dict(graph_ms=timed(shape, l) / 1000, kernels_us=vk.kernel_breakdown_us(*shape, l))
-                print(G, l, out[f"G={G}/l={l}"], flush=True)
+                cell = out[f"G={G}/l={l}"] = dict(graph_ms=timed(shape, l) / 1000,
+                                                  kernels_us=vk.kernel_breakdown_us(*shape, l))
+                print(G, l, cell, flush=True)
     finally:
         rng.RACE_GROUP = default
     return out

@@ -459,7 +459,7 @@ def _accept_request(
     if write:
         amax_e = tl.min(tl.where(sel, amax, 2147483647), axis=0)
         tl.store(nacc_ptr + r, n)
-        emit = tl.where(ds, -1, amax_e.to(tl.int64))  # sampling requests: the finalize kernel's token
+        emit = tl.where(ds, -1, amax_e.to(tl.int64))  # sampling: written by the request's last race program
         tok = tl.where(jj < n, d, tl.where(jj == n, emit, -1))
         tl.store(out_ptr + r * stride_o + jj, tok, mask=jj < OUT_W)
     return n, l, off, m_e, z_e
@@ -497,10 +497,10 @@ def _accept_race_kernel(
                 qrow = tl.where(has_q, off + n, 0)  # the emit position's draft row
                 _race_chunk(logits_ptr + e.to(tl.int64) * stride_l, q_ptr + qrow.to(tl.int64) * stride_q,
                             tl.load(draft_ptr + qrow, mask=has_q, other=-1), tl.where(has_q, V, 0), temp, m,
-                            1.0 / z, thr_ptr + e,
-                            exp_ptr + r.to(tl.int64) * stride_e, seed, offset, chunk, r * NCHUNK, ticket_ptr + r,
-                            rv_ptr, ri_ptr, pv_ptr, pvi_ptr, out_ptr + r * stride_o + n, V, NCHUNK, TILES,
-                            HAS_Q, HAS_THR, EXPLICIT_E, NCHUNK_R_P2, BLOCK, STAGES)
+                            1.0 / z, thr_ptr + e, exp_ptr + r.to(tl.int64) * stride_e, seed, offset, chunk,
+                            r * NCHUNK, ticket_ptr + r, rv_ptr, ri_ptr, pv_ptr, pvi_ptr,
+                            out_ptr + r * stride_o + n, V, NCHUNK, TILES, HAS_Q, HAS_THR, EXPLICIT_E, NCHUNK_R_P2,
+                            BLOCK, STAGES)
 
 
 @triton.jit
