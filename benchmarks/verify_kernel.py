@@ -29,7 +29,7 @@ import torch
 
 from dspark_hf.verify import rng, verify
 from dspark_hf.verify import triton_kernel as tk
-from dspark_hf.verify.reference import processed_scores
+from dspark_hf.verify.reference import group_keys, processed_scores
 
 V = 151_936
 
@@ -200,9 +200,7 @@ def race_gap(args, kw, seeds, r: int, toks: list[int]) -> dict:
     key = (seeds[r : r + 1], torch.zeros(1, dtype=torch.int64, device=dev))
     res = (pe - qe).clamp_min(0)
     G = rng.RACE_GROUP
-    n_groups = -(-V_ // G)
-    mass = torch.nn.functional.pad(res, (0, n_groups * G - V_)).view(n_groups, G).sum(-1)
-    kg = mass / rng.exponentials(*key, rng.STREAM_GROUP, torch.arange(n_groups, device=dev))[0].double()
+    kg = group_keys(res[None], *key)[0]
     kr = res / rng.residual_exponentials(*key, V_)[0].double()
     groups = [t // G for t in toks]
     out = dict(tokens=toks, groups=groups, key_group=[float(kg[g]) for g in groups],

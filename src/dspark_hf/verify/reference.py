@@ -137,6 +137,15 @@ def flat_race(p_e: torch.Tensor, q_e: torch.Tensor, E: torch.Tensor) -> torch.Te
     return torch.where(best_r > 0, tok_r, (p_e * inv_e).argmax(dim=-1))
 
 
+def group_keys(res: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``[R, n_groups]`` first-level keys of the two-level race: each group's residual mass over its Exp(1) noise."""
+    R, V = res.shape
+    G = rng.RACE_GROUP
+    n_groups = -(-V // G)
+    mass = torch.nn.functional.pad(res, (0, n_groups * G - V)).view(R, n_groups, G).sum(-1)
+    return mass / rng.exponentials(seeds, offsets, rng.STREAM_GROUP, torch.arange(n_groups, device=res.device))
+
+
 def group_race(p_e: torch.Tensor, q_e: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Counter-based noise: the two-level exponential race (exactly a sample of the normalised residual).
 
@@ -144,13 +153,10 @@ def group_race(p_e: torch.Tensor, q_e: torch.Tensor, seeds: torch.Tensor, offset
     (``mass_g`` = its residual mass, ``E_g`` from ``STREAM_GROUP``), i.e. with probability
     ``mass_g / total``; inside it id v wins with key ``max(p - q, 0)_v / E_v`` (``STREAM_RESIDUAL``),
     i.e. with probability ``res_v / mass_g``. With no residual mass: ``argmax_v p_v / E_v``."""
-    R, V = p_e.shape
+    V = p_e.shape[1]
     res = (p_e - q_e).clamp_min(0.0)
     G = rng.RACE_GROUP
-    n_groups = -(-V // G)
-    mass = torch.nn.functional.pad(res, (0, n_groups * G - V)).view(R, n_groups, G).sum(-1)
-    group_noise = rng.exponentials(seeds, offsets, rng.STREAM_GROUP, torch.arange(n_groups, device=p_e.device))
-    best_g, g = (mass / group_noise).max(-1)
+    best_g, g = group_keys(res, seeds, offsets).max(-1)
     ids = g[:, None] * G + torch.arange(G, device=p_e.device)[None, :]
     inside = ids < V
     ids = ids.clamp(max=V - 1)

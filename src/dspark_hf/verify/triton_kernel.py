@@ -212,6 +212,16 @@ def _offset_of(nd_ptr, r, OFF_B: tl.constexpr):
     return tl.sum(acc, axis=0)
 
 
+@triton.jit
+def _chunk_tiles(chunk, TILES, V, BLOCK: tl.constexpr):
+    """A chunk's tiles: full tiles [t0, t1) (no mask needed) and, if ``tail``, the masked last tile n_full."""
+    t0 = chunk * TILES
+    n_full = V // BLOCK
+    t1 = tl.minimum(t0 + TILES, n_full)
+    tail = (n_full * BLOCK < V) & (n_full >= t0) & (n_full < t0 + TILES)
+    return t0, t1, tail, n_full
+
+
 @triton.jit(do_not_specialize=["ds_s", "temp_s", "topk_s", "topp_s"])
 def _filter_kernel(
     logits_ptr, stride_l, nd_ptr, ds_ptr, ds_s, temp_ptr, temp_s, topk_ptr, topk_s, topp_ptr, topp_s,
@@ -379,10 +389,7 @@ def _stats_row(
     ds = tl.load(ds_ptr + req * ds_s) != 0
     base = logits_ptr + row.to(tl.int64) * stride_l
     # this chunk's tiles: [t0, t0 + TILES) ∩ [0, cdiv(V, BLOCK)); full tiles need no mask
-    t0 = chunk * TILES
-    n_full = V // BLOCK
-    t1 = tl.minimum(t0 + TILES, n_full)
-    tail = (n_full * BLOCK < V) & (n_full >= t0) & (n_full < t0 + TILES)
+    t0, t1, tail, n_full = _chunk_tiles(chunk, TILES, V, BLOCK)
     out = row * NCHUNK + chunk
     if ds:
         inv_t = 1.0 / tl.load(temp_ptr + req * temp_s)
@@ -517,10 +524,7 @@ def _race_chunk(
     id races; the last program merges the chunks. The ticket counter was zeroed by the stats kernel.
     (Racing each chunk's best group in its own program instead, so that the last program only
     compares, was slower on the H200: 23.6 against 21.0 us at batch 64, l 4.)"""
-    t0 = chunk * TILES
-    n_full = V // BLOCK
-    t1 = tl.minimum(t0 + TILES, n_full)
-    tail = (n_full * BLOCK < V) & (n_full >= t0) & (n_full < t0 + TILES)
+    t0, t1, tail, n_full = _chunk_tiles(chunk, TILES, V, BLOCK)
     o = o0 + chunk
     if EXPLICIT_E:
         _flat_race_span(base, qbase, d, q_len, temp, m, inv_z, ebase, thr_ptr, t0, t1, tail, n_full, V, rv_ptr + o,
