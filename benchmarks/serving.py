@@ -279,7 +279,7 @@ def run_cell(target, drafter, prompts, concurrency: int, setting: dict, args, sp
         mean_cache_width=sum(e["width"] for e in log) / max(1, len(log)),
         mean_hole_fraction=sum(e["holes"] for e in log) / max(1, len(log)),
         plain_round_fraction=sum(not e["speculative"] for e in log) / max(1, len(log)),
-        guard_seconds_per_token=None if engine.runner.guard is None
+        guard=None if engine.runner.guard is None
         else {str(k): v for k, v in engine.runner.guard.summary().items()},
     )
 

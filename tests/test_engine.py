@@ -254,6 +254,43 @@ def test_plain_rounds_chosen_by_the_guard_stay_exact(models):
     assert all(set(entry["verify"]) == {0} for entry in engine.round_log if not entry["speculative"])
 
 
+class RecordingGuard(AlternatingGuard):
+    """Drafts every other round (or every round) and keeps what the engine reports about each speculative round."""
+
+    def __init__(self, alternate: bool):
+        super().__init__()
+        self.alternate, self.records = alternate, []
+
+    def should_draft(self, batch_size: int) -> bool:
+        return super().should_draft(batch_size) or not self.alternate
+
+    def record(self, batch_size, seconds, verify_seconds, verify_tokens, tokens, catch_up=False):
+        self.records.append((batch_size, seconds, verify_seconds, verify_tokens, tokens, catch_up))
+
+
+@pytest.mark.parametrize("alternate", [True, False])
+def test_the_guard_hears_each_speculative_round_and_gets_the_policy_table(models, alternate):
+    target, drafter = models
+    table = SPSTable([1, 4, 16, 64], [1.0, 0.9, 0.6, 0.2])
+    guard = RecordingGuard(alternate)
+    engine = DSparkEngine(target, drafter, policy="hardware_aware", max_batch_size=3, sps_table=table,
+                          speculation_guard=guard, default_sampling={"temperature": 0})
+    assert guard.sps_table is table
+    for length in (5, 7, 9):
+        engine.add_request(list(range(4, 4 + length)), max_tokens=12)
+    engine.run()
+    speculative = [entry for entry in engine.round_log if entry["speculative"]]
+    assert len(speculative) - 1 <= len(guard.records) <= len(speculative) and len(guard.records) > 2
+    assert all(set(entry["verify"]) == {0} for entry in speculative[len(guard.records):])  # no budget left to draft
+    for i, ((batch, seconds, verify_seconds, verify_tokens, tokens, catch_up), entry) in enumerate(
+            zip(guard.records, speculative)):
+        assert batch == entry["batch"] and 0 < verify_seconds < seconds
+        assert verify_tokens == batch * (1 + max(entry["verify"]))
+        assert tokens == sum(entry["accepted"]) + batch
+        # a speculative round after a plain one (or the first round) also catches the drafter up
+        assert catch_up == (alternate or i == 0)
+
+
 def test_guard_on_by_default_for_hardware_aware_only(models):
     target, drafter = models
     table = SPSTable([1, 4, 16, 64], [1.0, 0.9, 0.6, 0.2])

@@ -220,8 +220,8 @@ class SpeculativeRows:
             return available
         if confidence_logits is None:  # a DFlash drafter: only a fixed length is possible (checked by the callers)
             conf = torch.ones(available.shape[0], int(available.max()) if available.numel() else 0)
-        else:
-            conf = apply_sts(confidence_logits.float(), self.sts_temperatures)
+        else:  # the policy runs on the host: dozens of ops on [R, γ] numbers, each a launch and some a sync on a GPU
+            conf = apply_sts(confidence_logits.float().cpu(), self.sts_temperatures)
         stale = self.confidence_history[0] if len(self.confidence_history) == 2 else None
         self.confidence_history = (self.confidence_history + [conf])[-2:]
         lengths = self.policy(conf, max_lengths=available.to(conf.device), conf_stale=stale)
@@ -233,6 +233,7 @@ class SpeculativeRows:
         state, rows = self.state, self.rows
         drafts = None
         started = time.perf_counter()
+        drafted_before = self.drafted_last_round
         draft_now = self.speculate and (self.guard is None or self.guard.should_draft(state.size))
         self.drafted_last_round = draft_now
         if draft_now:
@@ -248,6 +249,8 @@ class SpeculativeRows:
                 draft_logits = draft_logits[:, :longest]
             if state.pending == 0 and state.hole_fraction() > self.compact_threshold:
                 state.compact()
+        verify_started = time.perf_counter()  # the lengths came back from the device: drafting has finished
+        drafter_ran = drafts is not None
         if drafts is None:
             lengths = torch.zeros(state.size, dtype=torch.long)
             drafts = torch.zeros(state.size, 0, dtype=torch.long, device=self.device)
@@ -274,8 +277,10 @@ class SpeculativeRows:
             row.drafted.append(length)
             row.accepted.append(n)
             committed.append(out[: n + 1])
-        if self.guard is not None and self.speculate:  # the .tolist() above waited for the device: wall time is real
-            self.guard.record(len(rows), draft_now, time.perf_counter() - started, sum(map(len, committed)))
+        if self.guard is not None and drafter_ran:  # the .tolist() above waited for the device: times are real
+            finished = time.perf_counter()
+            self.guard.record(len(rows), finished - started, finished - verify_started, state.size * span,
+                              sum(map(len, committed)), catch_up=not drafted_before)
         return committed
 
 

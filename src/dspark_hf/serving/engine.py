@@ -121,7 +121,8 @@ class DSparkEngine:
         default_sampling: defaults for `add_request`'s sampling arguments (e.g. `{"temperature": 0}`).
         speculation_guard: plain rounds instead of speculative ones while drafting does not pay at the current
             batch size, measured online (`scheduling.SpeculationGuard`). Default (None): on for the hardware-aware
-            policies, off for the others (a fixed γ means every round drafts). True / False / a guard instance.
+            policies, off for the others (a fixed γ means every round drafts). True / False / a guard instance (one
+            without an SPS table gets the policy's).
         profile_rounds: time each round's parts (`round_profile()`); synchronises the device at every part boundary,
             so it slows the engine down a little.
     """
@@ -152,6 +153,8 @@ class DSparkEngine:
             speculation_guard = scheduler is not None and scheduler.name.startswith("hardware_aware")
         if speculation_guard is True:
             speculation_guard = SpeculationGuard()
+        if speculation_guard and speculation_guard.sps_table is None and scheduler is not None:
+            speculation_guard.sps_table = scheduler.params.get("sps_table")
         self.runner = SpeculativeRows(target, drafter if speculate else None, RequestSampler(self.generator),
                                       scheduler, drafter.config.sts_temperatures if drafter is not None else None,
                                       compact_threshold=compact_threshold, guard=speculation_guard or None)
