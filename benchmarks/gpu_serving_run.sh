@@ -4,12 +4,14 @@
 #     bash benchmarks/gpu_serving_run.sh [benchmarks/serving.py arguments]
 # One model's policies can be split over several calls; results accumulate in benchmarks/results/serving_h200.json,
 # so copy $OUT's files into benchmarks/results/ between calls (the next call carries them in the working tree).
-# The 2026-11-30 code50m run (230-300 s): --model code50m --max-new-tokens 64 --repeats 1 --requests-per-slot 2
+# The 2026-11-30 code50m run (230-300 s; now serving_equal_lengths_h200.json): --model code50m --max-new-tokens 64 --repeats 1 --requests-per-slot 2
 #     --breakdown-at --no-paged (records the acceptance trace; equal request lengths, before --length-spread existed).
 # The 2026-12-01 runs (about 160 s each; the drafter decompressed from carry_sched/code50m-dspark first): the same
 #     with the default --length-spread 0.5 and --out benchmarks/results/serving_length_spread_h200.json.
-# Next: the same with --repeats 2 once the guard leaves catch-up rounds out of its samples (docs/serving.md), then
-#     --model qwen3-4b-shape --max-new-tokens 32 --repeats 1 --requests-per-slot 2   (replays the trace; timing only)
+# The current serving_h200.json (2026-12-01, two calls, python run directly with --out under $OUT, 449 s and 442 s):
+#     --model code50m --max-new-tokens 64 --repeats 3 --requests-per-slot 2 --breakdown-at 1 256 --no-paged
+#     --model qwen3-4b-shape --max-new-tokens 32 --repeats 1 --requests-per-slot 2 --breakdown-at --no-paged
+#     (the 4B shape needs no carry: random init, acceptance replayed from the committed trace; timing only)
 set -uo pipefail
 export PYTHONPATH=${DSPARK_SRC:-src}
 if [ ! -d ../shared/fixtures/code-llama-50m ]; then
