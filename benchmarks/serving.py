@@ -26,14 +26,19 @@ finish at different rounds and the last rounds run a nearly empty batch, while p
 Request lengths are drawn uniformly from `--max-new-tokens` × (1 ± `--length-spread`), the same draw for every
 policy: with equal lengths, plain rows would also finish in lockstep and be refilled by one prefill per wave, where
 speculative rows (and any real workload) need many small ones.
-A short warm-up run (8 tokens, same concurrency and policy) precedes the timed runs. All policies run at one
-concurrency before the next concurrency starts, `--repeats` times in turn, so that a drift over the run affects every
-policy alike; a cell reports the run with the median tokens/s (the upper one for an even count; all runs' tokens/s
-are kept). tokens/s = generated tokens / wall-clock seconds; `steady_tokens_per_second` counts only the rounds that
-ran all c slots (admission prefills included), i.e. without the ramp-down after the queue ran dry. Each timed run
-is a fresh engine, but the hardware-aware policy's speculation guard lives for the whole benchmark, as in a
-long-running server: what it measured at the warm-up and earlier runs carries over (per batch-size bucket). The SPS
-table of the hardware-aware policy is profiled in the same run. `hf_paged` is transformers' own continuous batching
+A short warm-up run (8 tokens, same concurrency and policy) precedes the timed runs. The timed runs are
+interleaved: one engine per policy, all fed the same requests, stepped in turn one round at a time, each engine's
+time being the sum of its own rounds' wall-clock seconds (`run_interleaved`). Every round here is host-bound, and
+the H200 machine's virtual CPU runs the same Python up to 2x slower for seconds at a time
+(`results/host_phases_h200.json`): cells run one after another each met their own phase, and runs of one cell
+differed by up to 1.6x. Stepped in turn, every policy sees the same phases. `--sequential` runs the cells one
+after another instead, as before 2026-12-01. A cell reports the run with the median tokens/s over `--repeats` runs
+(the upper one for an even count; all runs' tokens/s are kept). tokens/s = generated tokens / the engine's seconds;
+`steady_tokens_per_second` counts only the rounds that ran all c slots (admission prefills included), i.e. without
+the ramp-down after the queue ran dry. Each timed run is a fresh engine, but the hardware-aware policy's
+speculation guard lives for the whole benchmark, as in a long-running server: what it measured at the warm-up and
+earlier runs carries over (per batch-size bucket). The SPS table of the hardware-aware policy is profiled in the
+same run. `hf_paged` is transformers' own continuous batching
 (paged attention, no speculation, CUDA graphs off like ours) on the same requests: the padded-vs-paged comparison of
 docs/serving.md. The summary ratios are minima over every model and concurrency: `scheduler_vs_best_static_min_ratio` (hardware-aware / best of fixed γ ∈ {1,3,7} and static
 threshold) and `scheduler_vs_nospec_min_ratio` (hardware-aware / no speculation); the `steady_` keys are the same
@@ -122,9 +127,7 @@ def load_models(name: str, dtype: torch.dtype, device: str):
 class AcceptanceTrace:
     """Full-length rounds of a real run (confidence logits [N, γ], accepted drafts [N]) and the prompts it used.
 
-    `recording(engine)` collects them from an engine running `policy="fixed"` at full γ; `replaying(engine)` makes
-    an engine with meaningless (random) weights accept like the recorded run: each request-round draws one entry,
-    the policy sees its confidences, and the round accepts min(l_r, its count). Timing only."""
+    `TraceRecorder` collects them from a real run; `TraceReplayer` makes a random-weight engine accept like it."""
 
     def __init__(self, confidences: torch.Tensor, accepted: torch.Tensor, prompts: list[list[int]]):
         self.confidences, self.accepted, self.prompts = confidences.float(), accepted.long(), prompts
@@ -140,76 +143,92 @@ class AcceptanceTrace:
                     note="code50m fixture + trained DSpark drafter, policy fixed γ=7, greedy, HumanEval prompts")
         Path(path).write_text(json.dumps(data) + "\n")
 
-    @staticmethod
-    @contextlib.contextmanager
-    def recording(engine: DSparkEngine, prompts: list[list[int]]):
-        confidences, accepted, stash = [], [], {}
-        runner, drafter = engine.runner, engine.drafter
-        gamma = drafter.config.num_draft_slots
-        original_draft, original_verify = drafter.draft, runner.sampler.verify
 
-        @functools.wraps(original_draft)
-        def draft(*args, **kwargs):
-            proposal = original_draft(*args, **kwargs)
-            stash["confidence"] = proposal.confidence_logits
-            return proposal
+class EnginePatch:
+    """Wraps an engine's `drafter.draft` and its sampler's `verify` while entered. Re-enterable, with its state kept
+    between entries: an interleaved cell enters it around each of the engine's rounds, since the engines of one cell
+    share the drafter."""
 
-        def verify(rows, drafts, lengths, target_logits, draft_logits):
-            result = original_verify(rows, drafts, lengths, target_logits, draft_logits)
-            confidence = stash.pop("confidence", None)
-            if confidence is not None and confidence.shape[1] == gamma:
-                full = (lengths == gamma).nonzero().squeeze(1)
-                confidences.append(confidence[full.to(confidence.device)].float().cpu())
-                accepted.append(result.num_accepted[full.to(result.num_accepted.device)].cpu())
-            return result
+    def __init__(self, engine: DSparkEngine):
+        self.runner, self.drafter = engine.runner, engine.drafter
 
-        drafter.draft, runner.sampler.verify = draft, verify
-        holder = []
-        try:
-            yield holder
-        finally:
-            del drafter.draft
-            runner.sampler.verify = original_verify
-            if confidences:
-                holder.append(AcceptanceTrace(torch.cat(confidences), torch.cat(accepted), prompts))
+    def __enter__(self):
+        original_draft, original_verify = self.drafter.draft, self.runner.sampler.verify
+        self._original_verify = original_verify
+        self.drafter.draft = functools.wraps(original_draft)(lambda *a, **k: self.draft(original_draft, *a, **k))
+        self.runner.sampler.verify = lambda *a: self.verify(original_verify, *a)
+        return self
 
-    @contextlib.contextmanager
-    def replaying(self, engine: DSparkEngine, seed: int = 0):
-        runner, drafter = engine.runner, engine.drafter
-        original_draft, original_verify = drafter.draft, runner.sampler.verify
-        generator = torch.Generator().manual_seed(seed)
-        device = next(drafter.parameters()).device
-        confidences, accepted = self.confidences.to(device), self.accepted
-        drawn = {}
+    def __exit__(self, *exc) -> None:
+        del self.drafter.draft
+        self.runner.sampler.verify = self._original_verify
 
-        @functools.wraps(original_draft)
-        def draft(*args, **kwargs):
-            proposal = original_draft(*args, **kwargs)
-            index = torch.randint(len(accepted), (proposal.tokens.shape[0],), generator=generator)
-            drawn["index"] = index
-            width = proposal.tokens.shape[1]
-            proposal.confidence_logits = confidences[index.to(device), :width]
-            return proposal
+    def draft(self, original, *args, **kwargs):
+        raise NotImplementedError
 
-        def verify(rows, drafts, lengths, target_logits, draft_logits):
-            real = original_verify(rows, drafts, lengths, target_logits, draft_logits)  # paid for, then overridden
-            if "index" not in drawn:  # no draft this round (every row's budget was spent)
-                return real
-            out_device = real.output_tokens.device
-            count = torch.minimum(lengths, accepted[drawn.pop("index")]).to(out_device)
-            bonus = real.output_tokens.gather(1, real.num_accepted[:, None])
-            tokens = torch.cat([drafts.to(out_device), bonus], dim=1)
-            columns = torch.arange(tokens.shape[1], device=out_device)[None, :]
-            tokens = torch.where(columns < count[:, None], tokens, bonus)
-            tokens = torch.where(columns <= count[:, None], tokens, torch.full_like(tokens, -1))
-            return VerifyResult(num_accepted=count, output_tokens=tokens)
+    def verify(self, original, rows, drafts, lengths, target_logits, draft_logits) -> VerifyResult:
+        raise NotImplementedError
 
-        drafter.draft, runner.sampler.verify = draft, verify
-        try:
-            yield
-        finally:
-            del drafter.draft
-            runner.sampler.verify = original_verify
+
+class TraceRecorder(EnginePatch):
+    """Collects, from an engine running `policy="fixed"` at full γ, each request-round that verified all γ drafts:
+    the drafter's confidence logits and how many drafts the target accepted."""
+
+    def __init__(self, engine: DSparkEngine):
+        super().__init__(engine)
+        self.gamma = engine.drafter.config.num_draft_slots
+        self.confidences, self.accepted, self._confidence = [], [], None
+
+    def draft(self, original, *args, **kwargs):
+        proposal = original(*args, **kwargs)
+        self._confidence = proposal.confidence_logits
+        return proposal
+
+    def verify(self, original, rows, drafts, lengths, target_logits, draft_logits) -> VerifyResult:
+        result = original(rows, drafts, lengths, target_logits, draft_logits)
+        confidence, self._confidence = self._confidence, None
+        if confidence is not None and confidence.shape[1] == self.gamma:
+            full = (lengths == self.gamma).nonzero().squeeze(1)
+            self.confidences.append(confidence[full.to(confidence.device)].float().cpu())
+            self.accepted.append(result.num_accepted[full.to(result.num_accepted.device)].cpu())
+        return result
+
+    def trace(self, prompts: list[list[int]]) -> AcceptanceTrace | None:
+        if not self.confidences:
+            return None
+        return AcceptanceTrace(torch.cat(self.confidences), torch.cat(self.accepted), prompts)
+
+
+class TraceReplayer(EnginePatch):
+    """Makes an engine with meaningless (random) weights accept like a recorded run: each request-round draws one
+    trace entry, the policy sees its confidences, and the round accepts min(l_r, its count). Timing only."""
+
+    def __init__(self, trace: AcceptanceTrace, engine: DSparkEngine, seed: int = 0):
+        super().__init__(engine)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.device = next(engine.drafter.parameters()).device
+        self.confidences, self.accepted = trace.confidences.to(self.device), trace.accepted
+        self._index = None
+
+    def draft(self, original, *args, **kwargs):
+        proposal = original(*args, **kwargs)
+        self._index = torch.randint(len(self.accepted), (proposal.tokens.shape[0],), generator=self.generator)
+        proposal.confidence_logits = self.confidences[self._index.to(self.device), :proposal.tokens.shape[1]]
+        return proposal
+
+    def verify(self, original, rows, drafts, lengths, target_logits, draft_logits) -> VerifyResult:
+        real = original(rows, drafts, lengths, target_logits, draft_logits)  # paid for, then overridden
+        if self._index is None:  # no draft this round (every row's budget was spent)
+            return real
+        index, self._index = self._index, None
+        out_device = real.output_tokens.device
+        count = torch.minimum(lengths, self.accepted[index]).to(out_device)
+        bonus = real.output_tokens.gather(1, real.num_accepted[:, None])
+        tokens = torch.cat([drafts.to(out_device), bonus], dim=1)
+        columns = torch.arange(tokens.shape[1], device=out_device)[None, :]
+        tokens = torch.where(columns < count[:, None], tokens, bonus)
+        tokens = torch.where(columns <= count[:, None], tokens, torch.full_like(tokens, -1))
+        return VerifyResult(num_accepted=count, output_tokens=tokens)
 
 
 # ---------------------------------------------------------------------------------------------------- measuring
@@ -232,10 +251,15 @@ def request_lengths(count: int, args) -> list[int]:
     return torch.randint(low, high + 1, (count,), generator=torch.Generator().manual_seed(count)).tolist()
 
 
-def drive(engine: DSparkEngine, prompts, concurrency: int, args) -> tuple[list, float]:
+def add_requests(engine: DSparkEngine, prompts, concurrency: int, args) -> list:
+    """The cell's requests (`--requests-per-slot` × c, lengths from `request_lengths`), queued at once."""
     lengths = request_lengths(concurrency * args.requests_per_slot, args)
-    handles = [engine.add_request(prompts[i % len(prompts)], max_tokens=n, temperature=0.0, ignore_eos=True)
-               for i, n in enumerate(lengths)]
+    return [engine.add_request(prompts[i % len(prompts)], max_tokens=n, temperature=0.0, ignore_eos=True)
+            for i, n in enumerate(lengths)]
+
+
+def drive(engine: DSparkEngine, prompts, concurrency: int, args) -> tuple[list, float]:
+    handles = add_requests(engine, prompts, concurrency, args)
     synchronize(engine.target.device)
     start = time.perf_counter()
     engine.run()
@@ -252,18 +276,14 @@ def steady_throughput(log: list[dict], concurrency: int) -> float | None:
     return sum(len(e["accepted"]) + sum(e["accepted"]) for e in full) / seconds if seconds > 0 else None
 
 
-def run_cell(target, drafter, prompts, concurrency: int, setting: dict, args, sps_table, trace=None,
-             recorded: list | None = None) -> dict:
-    engine = make_engine(target, drafter, concurrency, setting, sps_table)
-    context = contextlib.nullcontext()
+def patch_for(engine: DSparkEngine, trace, record: bool, seed: int):
+    """The engine's trace replayer (random-weight models), recorder, or nothing."""
     if trace is not None and engine.drafter is not None:
-        context = trace.replaying(engine, seed=concurrency)
-    elif recorded is not None:
-        context = AcceptanceTrace.recording(engine, prompts)
-    with context as holder:
-        handles, seconds = drive(engine, prompts, concurrency, args)
-    if recorded is not None and holder:
-        recorded.extend(holder)
+        return TraceReplayer(trace, engine, seed=seed)
+    return TraceRecorder(engine) if record else contextlib.nullcontext()
+
+
+def cell_result(engine: DSparkEngine, handles: list, seconds: float, concurrency: int) -> dict:
     log = engine.round_log
     tokens = sum(len(h.tokens) for h in handles)
     accepted = [n for entry in log for n in entry["accepted"]]
@@ -282,6 +302,50 @@ def run_cell(target, drafter, prompts, concurrency: int, setting: dict, args, sp
         guard=None if engine.runner.guard is None
         else {str(k): v for k, v in engine.runner.guard.summary().items()},
     )
+
+
+def run_cell(target, drafter, prompts, concurrency: int, setting: dict, args, sps_table, trace=None,
+             recorded: list | None = None) -> dict:
+    """One policy's cell, alone: its requests from first to last, timed by the wall clock."""
+    engine = make_engine(target, drafter, concurrency, setting, sps_table)
+    patch = patch_for(engine, trace, recorded is not None, seed=concurrency)
+    with patch:
+        handles, seconds = drive(engine, prompts, concurrency, args)
+    if isinstance(patch, TraceRecorder) and patch.trace(prompts) is not None:
+        recorded.append(patch.trace(prompts))
+    return cell_result(engine, handles, seconds, concurrency)
+
+
+def run_interleaved(target, drafter, prompts, concurrency: int, settings: dict[str, dict], args, sps_table,
+                    trace=None, record: str | None = None) -> tuple[dict[str, dict], AcceptanceTrace | None]:
+    """Every policy's cell at once, one engine per policy, stepped in turn one round at a time (the first engine
+    rotates from sweep to sweep); each engine's time is the sum of its own rounds' wall-clock seconds (each round
+    ends with the device idle). A host whose speed drifts over seconds then slows every policy alike, where cells
+    run one after another each meet their own phase. `record`: the policy whose full-γ rounds are recorded."""
+    engines = {name: make_engine(target, drafter, concurrency, setting, sps_table)
+               for name, setting in settings.items()}
+    patches = {name: patch_for(engine, trace, name == record, seed=concurrency) for name, engine in engines.items()}
+    handles = {name: add_requests(engine, prompts, concurrency, args) for name, engine in engines.items()}
+    seconds = dict.fromkeys(engines, 0.0)
+    device = target.device
+    order = list(engines)
+    while order:
+        for name in list(order):
+            engine = engines[name]
+            if not engine.has_unfinished():
+                order.remove(name)
+                continue
+            with patches[name]:
+                synchronize(device)
+                start = time.perf_counter()
+                engine.step()
+                synchronize(device)
+                seconds[name] += time.perf_counter() - start
+        order = order[1:] + order[:1]
+    recorder = patches.get(record)
+    recorded = recorder.trace(prompts) if isinstance(recorder, TraceRecorder) else None
+    return {name: cell_result(engine, handles[name], seconds[name], concurrency)
+            for name, engine in engines.items()}, recorded
 
 
 def run_paged(target, prompts, concurrency: int, args) -> dict:
@@ -328,8 +392,7 @@ def round_breakdown(target, drafter, prompts, concurrency: int, setting: dict, a
     scheduler, verify forward, verification, bookkeeping). Synchronises around each part, so the total is a bit
     slower than an unprofiled round."""
     engine = make_engine(target, drafter, concurrency, setting, sps_table, profile_rounds=True)
-    replay = trace is not None and engine.drafter is not None
-    with trace.replaying(engine, seed=1) if replay else contextlib.nullcontext():
+    with patch_for(engine, trace, False, seed=1):
         drive(engine, prompts, concurrency, args)
     return dict(concurrency=concurrency, policy=setting.get("policy"), rounds=engine.runner.profiler.rounds,
                 ms_per_round={k: round(v, 3) for k, v in engine.round_profile().items()})
@@ -412,7 +475,10 @@ def main() -> None:
     parser.add_argument("--requests-per-slot", type=int, default=4, help="requests queued per unit of concurrency")
     parser.add_argument("--length-spread", type=float, default=0.5,
                         help="request lengths uniform in max-new-tokens × (1 ± spread); 0: all equal")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per cell, interleaved over the policies")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per cell")
+    parser.add_argument("--sequential", action="store_true",
+                        help="run each policy's cell on its own, one after another (before 2026-12-01: the default), "
+                             "instead of all policies' engines stepped in turn")
     parser.add_argument("--threshold", type=float, default=0.5, help="static-threshold policy's confidence threshold")
     parser.add_argument("--policies", nargs="*", help="subset of: no_spec fixed_1 fixed_3 fixed_7 static_threshold "
                         "hardware_aware (default: all)")
@@ -452,6 +518,7 @@ def main() -> None:
             settings=dict(dtype="float32" if args.model == "smoke" else args.dtype, max_new_tokens=args.max_new_tokens,
                           temperature=0.0, ignore_eos=True, threshold=args.threshold, concurrency=args.concurrency,
                           requests_per_slot=args.requests_per_slot, repeats=args.repeats,
+                          protocol="sequential" if args.sequential else "interleaved",
                           length_spread=args.length_spread,
                           prompts="random ids" if args.model == "smoke" else "HumanEval (code50m tokenizer)",
                           acceptance="replayed from serving_trace_code50m.json (timing only)" if trace is not None
@@ -480,11 +547,18 @@ def main() -> None:
                 run_cell(target, drafter, prompts, concurrency, setting, warm_up, sps_table, trace)
             runs: dict[str, list[dict]] = {name: [] for name in chosen}
             for repeat in range(args.repeats):
-                for name, setting in chosen.items():
-                    record = recorded if (name == "fixed_7" and gamma_max == 7 and trace is None and repeat == 0) \
-                        else None
-                    runs[name].append(run_cell(target, drafter, prompts, concurrency, setting, args, sps_table, trace,
-                                               record))
+                record = "fixed_7" if gamma_max == 7 and trace is None and repeat == 0 else None
+                if args.sequential:
+                    for name, setting in chosen.items():
+                        runs[name].append(run_cell(target, drafter, prompts, concurrency, setting, args, sps_table,
+                                                   trace, recorded if name == record else None))
+                    continue
+                cells, trace_part = run_interleaved(target, drafter, prompts, concurrency, chosen, args, sps_table,
+                                                    trace, record)
+                for name, cell in cells.items():
+                    runs[name].append(cell)
+                if trace_part is not None:
+                    recorded.append(trace_part)
             for name, cells in runs.items():
                 cell = sorted(cells, key=lambda c: c["tokens_per_second"])[len(cells) // 2]
                 cell = dict(cell, tokens_per_second_runs=[c["tokens_per_second"] for c in cells])

@@ -55,3 +55,29 @@ def test_round_breakdown_with_a_trace_covers_no_speculation(models):
     for setting in (dict(policy="none"), FIXED):
         parts = serving.round_breakdown(target, drafter, prompts, 2, setting, ARGS, None, trace)["ms_per_round"]
         assert parts["verify_forward"] > 0 and (parts["draft_backbone"] > 0) == (setting["policy"] != "none")
+
+
+@torch.inference_mode()
+def test_interleaved_cells_compute_what_cells_run_alone_compute(models):
+    """Stepping the policies' engines in turn changes only the clock: the same rounds, verify lengths and tokens."""
+    target, drafter, prompts = models
+    settings = {"no_spec": dict(policy="none"), "fixed_7": FIXED,
+                "static_threshold": dict(policy="static_threshold", threshold=0.3)}
+    cells, recorded = serving.run_interleaved(target, drafter, prompts, 3, settings, ARGS, None, record="fixed_7")
+    keys = ("requests", "generated_tokens", "rounds", "tau", "verify_length_histogram", "plain_round_fraction")
+    for name, setting in settings.items():
+        alone = serving.run_cell(target, drafter, prompts, 3, setting, ARGS, None)
+        assert {k: cells[name][k] for k in keys} == {k: alone[k] for k in keys}
+        assert 0 < cells[name]["seconds"] and cells[name]["tokens_per_second"] > 0
+    assert cells["fixed_7"]["verify_length_histogram"] != cells["no_spec"]["verify_length_histogram"]
+    assert len(recorded.accepted) == cells["fixed_7"]["verify_length_histogram"]["7"]  # only the recorded policy's
+
+
+@torch.inference_mode()
+def test_interleaved_cells_replay_a_trace_per_engine(models):
+    target, drafter, prompts = models
+    settings = {"no_spec": dict(policy="none"), "fixed_7": FIXED}
+    cells, recorded = serving.run_interleaved(target, drafter, prompts, 2, settings, ARGS, None,
+                                              trace=trace_accepting(7, prompts))
+    assert recorded is None and cells["no_spec"]["tau"] == 1.0 and 4.0 <= cells["fixed_7"]["tau"] <= 8.0
+    assert "draft" not in vars(drafter)  # every patch was taken off again
