@@ -38,11 +38,11 @@ after another instead, as before 2026-12-01. A cell reports the run with the med
 the ramp-down after the queue ran dry. Each timed run is a fresh engine, but the hardware-aware policy's
 speculation guard lives for the whole benchmark, as in a long-running server: what it measured at the warm-up and
 earlier runs carries over (per batch-size bucket). The SPS table of the hardware-aware policy is profiled in the
-same run. `hf_paged` is transformers' own continuous batching
-(paged attention, no speculation, CUDA graphs off like ours) on the same requests: the padded-vs-paged comparison of
-docs/serving.md. The summary ratios are minima over every model and concurrency: `scheduler_vs_best_static_min_ratio` (hardware-aware / best of fixed γ ∈ {1,3,7} and static
-threshold) and `scheduler_vs_nospec_min_ratio` (hardware-aware / no speculation); the `steady_` keys are the same
-from `steady_tokens_per_second`.
+same run. `hf_paged` is transformers' own continuous batching (paged attention, no speculation, CUDA graphs off
+like ours) on the same requests: the padded-vs-paged comparison of docs/serving.md. The summary ratios are minima
+over every model and concurrency: `scheduler_vs_best_static_min_ratio` (hardware-aware / best of fixed γ ∈ {1,3,7}
+and static threshold) and `scheduler_vs_nospec_min_ratio` (hardware-aware / no speculation); the `steady_` keys are
+the same from `steady_tokens_per_second`.
 """
 
 from __future__ import annotations
