@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -152,3 +153,36 @@ def test_identical_embeddings_are_shared_not_duplicated():
     assert drafter.share_target_weights(target) == ["embed_tokens"]  # lm_head differs: kept
     assert drafter.embed_tokens.weight is target.get_input_embeddings().weight
     assert drafter.lm_head.weight is not target.get_output_embeddings().weight
+
+
+class Records(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture
+def load_reports():
+    """transformers' load-report warnings (its loggers do not propagate to pytest's caplog)."""
+    handler = Records()
+    reporter = logging.getLogger("transformers.modeling_utils")
+    reporter.addHandler(handler)
+    yield handler.messages
+    reporter.removeHandler(handler)
+
+
+def test_weights_left_to_the_target_are_not_reported_missing(tmp_path, load_reports):
+    state = deepspec_state_dict(True)
+    del state["embed_tokens.weight"], state["lm_head.weight"]
+    write_checkpoint(tmp_path / "shared", deepspec_config(True), state)
+    assert DSparkDraftModel.from_pretrained(tmp_path / "shared").weights_from_target == {"embed_tokens", "lm_head"}
+    assert not [m for m in load_reports if "LOAD REPORT" in m]
+    state["layers.1.mlp.extra.weight"] = torch.zeros(2)  # a wrong checkpoint: the report is shown, then the error
+    write_checkpoint(tmp_path / "wrong", deepspec_config(True), state)
+    with pytest.raises(ValueError, match="unexpected weights"):
+        DSparkDraftModel.from_pretrained(tmp_path / "wrong")
+    (report,) = [m for m in load_reports if "LOAD REPORT" in m]
+    assert "extra" in report and str(tmp_path / "wrong") in report

@@ -7,6 +7,7 @@ State-dict keys equal DeepSpec's un-prefixed keys (`embed_tokens.weight`, `layer
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
@@ -27,6 +28,37 @@ from .qwen3 import DSparkDecoderLayer
 
 # Weights the drafter may take from its target instead of storing its own copy.
 SHAREABLE_WEIGHTS = {"embed_tokens.weight": "embed_tokens", "lm_head.weight": "lm_head"}
+logger = logging.getLogger(__name__)
+
+
+class _HeldLoadReport(logging.Filter):
+    """Holds transformers' load report (a warning) while a drafter loads. A drafter that takes `embed_tokens` /
+    `lm_head` from its target lacks them on purpose, and the report would call them "MISSING ... newly initialized";
+    `release()` logs it after all (when the checkpoint turns out to be wrong)."""
+
+    def __init__(self, model_class: type, source):
+        super().__init__()
+        self.logger = logging.getLogger("transformers.modeling_utils")  # the logger transformers reports on
+        self.marks = (f"{model_class.__name__} LOAD REPORT", f"from: {source}")  # this load's report, no other's
+        self.held: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if all(mark in message for mark in self.marks):
+            self.held.append(record)
+            return False
+        return True
+
+    def __enter__(self) -> _HeldLoadReport:
+        self.logger.addFilter(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.logger.removeFilter(self)
+
+    def release(self) -> None:
+        for record in self.held:
+            self.logger.handle(record)
 
 # `DSparkConfig.backbone` -> the `DSparkDraftModel` subclass that builds that family's layers (registered by
 # `models/gemma4.py`, `models/deepseek_v4.py`). "qwen3" is `DSparkDraftModel` itself.
@@ -137,11 +169,14 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         kwargs["use_safetensors"] = True
         want_info = kwargs.pop("output_loading_info", False)
         kwargs.setdefault("ignore_mismatched_sizes", True)  # collect shape mismatches and report them all below
+        report = _HeldLoadReport(cls, pretrained_model_name_or_path)
         try:
-            model, info = super().from_pretrained(
-                pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
-            )
+            with report:
+                model, info = super().from_pretrained(
+                    pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs
+                )
         except (OSError, RuntimeError, SafetensorError) as error:
+            report.release()
             raise ValueError(
                 f"Could not load a DSpark drafter from {pretrained_model_name_or_path!r}: {error}\n"
                 "dspark_hf needs config.json plus model.safetensors (or a sharded safetensors index). If the files "
@@ -156,12 +191,16 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         if info.get("mismatched_keys"):
             problems.append(f"weights with the wrong shape: {sorted(info['mismatched_keys'])}")
         if problems:
+            report.release()
             raise ValueError(
                 f"The checkpoint at {pretrained_model_name_or_path!r} does not match its config "
                 f"({model.config.num_hidden_layers} layers, markov_rank={model.config.markov_rank}, "
                 f"confidence head={model.config.enable_confidence_head}): " + "; ".join(problems)
             )
         model.weights_from_target = {SHAREABLE_WEIGHTS[key] for key in missing}
+        if model.weights_from_target:
+            logger.info("%s: %s not in the checkpoint; taken from the target when generation starts.",
+                        pretrained_model_name_or_path, sorted(model.weights_from_target))
         hub_kwargs = {k: kwargs[k] for k in ("cache_dir", "revision", "token", "local_files_only", "subfolder") if k in kwargs}
         try:  # the drafter's DSpark generation defaults (dspark_policy, ...), when the checkpoint has them
             model.generation_config = GenerationConfig.from_pretrained(pretrained_model_name_or_path, **hub_kwargs)
