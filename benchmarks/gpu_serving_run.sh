@@ -12,6 +12,10 @@
 #     --model code50m --max-new-tokens 64 --repeats 3 --requests-per-slot 2 --breakdown-at 1 256 --no-paged
 #     --model qwen3-4b-shape --max-new-tokens 32 --repeats 1 --requests-per-slot 2 --breakdown-at --no-paged
 #     (the 4B shape needs no carry: random init, acceptance replayed from the committed trace; timing only)
+#     code50m was run interleaved (the default since then, 342 s); the 4B shape sequentially (before that existed).
+# Next: the 4B shape interleaved with --repeats 2, split over two calls by --concurrency (1 2 4 8 16 32 | 64 128 256;
+#     cells merge by concurrency when the first call's JSON is carried back in as --out). Six 4B engines at c = 256
+#     hold about 85 GB of KV cache at once.
 set -uo pipefail
 export PYTHONPATH=${DSPARK_SRC:-src}
 if [ ! -d ../shared/fixtures/code-llama-50m ]; then
