@@ -311,8 +311,9 @@ def run_cell(target, drafter, prompts, concurrency: int, setting: dict, args, sp
     patch = patch_for(engine, trace, recorded is not None, seed=concurrency)
     with patch:
         handles, seconds = drive(engine, prompts, concurrency, args)
-    if isinstance(patch, TraceRecorder) and patch.trace(prompts) is not None:
-        recorded.append(patch.trace(prompts))
+    trace_part = patch.trace(prompts) if isinstance(patch, TraceRecorder) else None
+    if trace_part is not None:
+        recorded.append(trace_part)
     return cell_result(engine, handles, seconds, concurrency)
 
 
