@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import contextlib
 import io
 import json
 import os
@@ -29,14 +30,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import environment, humaneval_prompts, load_target  # noqa: E402
+import serving  # noqa: E402
+from common import environment  # noqa: E402
 
-import dspark_hf  # noqa: E402
 from dspark_hf.devices import synchronize  # noqa: E402
 from dspark_hf.scheduling import SpeculationGuard, SPSTable  # noqa: E402
 from dspark_hf.serving import DSparkEngine  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+SETTINGS = {"nospec": dict(policy="none"), "fixed7": dict(policy="fixed", gamma=7),
+            "ha_plain": dict(policy="hardware_aware")}
 
 
 class NeverDraft(SpeculationGuard):
@@ -46,38 +48,18 @@ class NeverDraft(SpeculationGuard):
         return False
 
 
-def load(device: str):
-    from transformers import AutoTokenizer
-
-    target = load_target("code50m", torch.bfloat16, device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(target.config._name_or_path)
-    drafter = dspark_hf.DSparkDraftModel.from_pretrained(REPO / "drafters" / "code50m-dspark", dtype=torch.bfloat16)
-    return target, drafter.to(device).eval(), [tokenizer(text)["input_ids"] for text in humaneval_prompts(64)]
-
-
 def make_engine(kind: str, target, drafter, concurrency: int) -> DSparkEngine:
-    if kind == "nospec":
-        return DSparkEngine(target, None, max_batch_size=concurrency, seed=0, policy="none")
-    if kind == "fixed7":
-        return DSparkEngine(target, drafter, max_batch_size=concurrency, seed=0, policy="fixed", gamma=7)
-    return DSparkEngine(target, drafter, max_batch_size=concurrency, seed=0, policy="hardware_aware",
-                        sps_table=SPSTable([1, 2048], [150.0, 140.0]), speculation_guard=NeverDraft())
+    """The benchmark's engine for `kind`; `ha_plain` is the hardware-aware engine with a guard that never drafts."""
+    options = dict(speculation_guard=NeverDraft()) if kind == "ha_plain" else {}
+    return serving.make_engine(target, drafter, concurrency, SETTINGS[kind], SPSTable([1, 2048], [150.0, 140.0]),
+                               **options)
 
 
-def cell(engine: DSparkEngine, prompts, lengths: list[int], profile: cProfile.Profile | None = None):
-    """Runs the requests to the end; returns (seconds, the engine's round log)."""
-    for i, n in enumerate(lengths):
-        engine.add_request(prompts[i % len(prompts)], max_tokens=n, temperature=0.0, ignore_eos=True)
-    synchronize(engine.target.device)
-    start = time.perf_counter()
-    if profile is not None:
-        profile.enable()
-    with torch.inference_mode():
-        engine.run()
-    if profile is not None:
-        profile.disable()
-    synchronize(engine.target.device)
-    return time.perf_counter() - start, engine.round_log
+def cell(engine: DSparkEngine, prompts, concurrency: int, args, profile: cProfile.Profile | None = None):
+    """The benchmark's cell (`serving.drive`), optionally under `profile`; returns (seconds, the round log)."""
+    with torch.inference_mode(), profile if profile is not None else contextlib.nullcontext():
+        _, seconds = serving.drive(engine, prompts, concurrency, args)
+    return seconds, engine.round_log
 
 
 def median_round_ms(log: list[dict]) -> float:
@@ -85,7 +67,8 @@ def median_round_ms(log: list[dict]) -> float:
 
 
 def host_phases(out: str, device: str) -> None:
-    target, drafter, prompts = load(device)
+    target, drafter, prompts = serving.load_models("code50m", torch.bfloat16, device)
+    one_request = argparse.Namespace(max_new_tokens=64, requests_per_slot=1, length_spread=0.0)
     counter = torch.zeros(1, device=device)
     began = time.perf_counter()
 
@@ -103,7 +86,7 @@ def host_phases(out: str, device: str) -> None:
         return round(1e3 * (time.perf_counter() - start), 2)
 
     def engine_cell(kind: str) -> float:
-        return median_round_ms(cell(make_engine(kind, target, drafter, 1), prompts, [64])[1])
+        return median_round_ms(cell(make_engine(kind, target, drafter, 1), prompts, 1, one_request)[1])
 
     report = dict(environment=environment(), threads_default=torch.get_num_threads(), cpu_count=os.cpu_count())
     engine_cell("nospec"), engine_cell("fixed7")  # warm-up
@@ -125,21 +108,21 @@ def host_phases(out: str, device: str) -> None:
 
 
 def plain_rounds(concurrency: int, device: str) -> None:
-    target, drafter, prompts = load(device)
-    lengths = torch.randint(32, 97, (2 * concurrency,), generator=torch.Generator().manual_seed(0)).tolist()
+    target, drafter, prompts = serving.load_models("code50m", torch.bfloat16, device)
+    args = argparse.Namespace(max_new_tokens=64, requests_per_slot=2, length_spread=0.5)  # 32-96 new tokens
 
-    def run(kind: str, lengths: list[int], profile: cProfile.Profile | None = None) -> None:
-        seconds, log = cell(make_engine(kind, target, drafter, concurrency), prompts, lengths, profile)
+    def run(kind: str, cell_args, profile: cProfile.Profile | None = None) -> None:
+        seconds, log = cell(make_engine(kind, target, drafter, concurrency), prompts, concurrency, cell_args, profile)
         print(f"{kind} {concurrency} {seconds:.2f}s rounds {len(log)} median {median_round_ms(log)} ms "
               f"width {statistics.fmean(entry['width'] for entry in log):.0f}", flush=True)
 
-    for kind in ("nospec", "ha_plain"):  # warm-up
-        run(kind, lengths[:8])
+    for kind in ("nospec", "ha_plain"):  # warm-up, as the benchmark's: 8 new tokens
+        run(kind, argparse.Namespace(**{**vars(args), "max_new_tokens": 8}))
     for kind in ("nospec", "ha_plain") * 2:
-        run(kind, lengths)
+        run(kind, args)
     for kind in ("nospec", "ha_plain"):
         profile = cProfile.Profile()
-        run(kind, lengths, profile)
+        run(kind, args, profile)
         for sort, restriction in (("tottime", 25), ("cumulative", ("dspark_hf", 30))):
             text = io.StringIO()
             stats = pstats.Stats(profile, stream=text).sort_stats(sort)
