@@ -318,11 +318,13 @@ def run_cell(target, drafter, prompts, concurrency: int, setting: dict, args, sp
 
 
 def run_interleaved(target, drafter, prompts, concurrency: int, settings: dict[str, dict], args, sps_table,
-                    trace=None, record: str | None = None) -> tuple[dict[str, dict], AcceptanceTrace | None]:
+                    trace=None, record: str | None = None, round_logs: dict[str, list] | None = None
+                    ) -> tuple[dict[str, dict], AcceptanceTrace | None]:
     """Every policy's cell at once, one engine per policy, stepped in turn one round at a time (the first engine
     rotates from sweep to sweep); each engine's time is the sum of its own rounds' wall-clock seconds (each round
     ends with the device idle). A host whose speed drifts over seconds then slows every policy alike, where cells
-    run one after another each meet their own phase. `record`: the policy whose full-γ rounds are recorded."""
+    run one after another each meet their own phase. `record`: the policy whose full-γ rounds are recorded;
+    `round_logs`, when given, receives each engine's round log."""
     engines = {name: make_engine(target, drafter, concurrency, setting, sps_table)
                for name, setting in settings.items()}
     patches = {name: patch_for(engine, trace, name == record, seed=concurrency) for name, engine in engines.items()}
@@ -345,6 +347,8 @@ def run_interleaved(target, drafter, prompts, concurrency: int, settings: dict[s
         order = order[1:] + order[:1]
     recorder = patches.get(record)
     recorded = recorder.trace(prompts) if isinstance(recorder, TraceRecorder) else None
+    if round_logs is not None:
+        round_logs.update({name: engine.round_log for name, engine in engines.items()})
     return {name: cell_result(engine, handles[name], seconds[name], concurrency)
             for name, engine in engines.items()}, recorded
 

@@ -2,6 +2,8 @@
 
     PYTHONPATH=src python benchmarks/serving_diagnostics.py host-phases OUT.json
     PYTHONPATH=src python benchmarks/serving_diagnostics.py plain-rounds [--concurrency 256] > OUT.txt
+    PYTHONPATH=src python benchmarks/serving_diagnostics.py round-logs OUT.json [--concurrency 32 256]
+    python benchmarks/serving_diagnostics.py round-log-report OUT.json[.gz]   # reads the file only; no GPU
 
 host-phases: does the host change speed over time? Ten rows per setting, each timing a pure Python loop
 (`sum(range(300000))`), 2000 in-place adds on a 1-element device tensor, and one DSparkEngine cell at c = 1 (64 new
@@ -11,6 +13,11 @@ plain-rounds: do the plain rounds of the hardware-aware engine (a guard that nev
 captured for the drafter) cost more than no-speculation rounds? Cells of 2c requests (32-96 new tokens) alternate
 between the two engines, then one more of each runs under cProfile
 (`results/serving_diagnostics/plain_round_profile_h200.txt`).
+round-logs: where do the hardware-aware engine's seconds go? The benchmark's interleaved cells (64 new tokens ± 50 %,
+2 requests per slot, after its warm-up) of no speculation, fixed γ = 7 and the hardware-aware policy, twice per
+concurrency; every engine's round log and every speculative round the guard was told about are written out.
+round-log-report: per run of a round-logs file, tokens/s relative to no speculation, and each engine's seconds split
+into plain and speculative rounds with and without an admission (prefill of new requests), as count × mean ms.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import contextlib
+import gzip
 import io
 import json
 import os
@@ -130,6 +138,69 @@ def plain_rounds(concurrency: int, device: str) -> None:
             print(text.getvalue())
 
 
+def round_logs(out: str, concurrencies: list[int], device: str) -> None:
+    target, drafter, prompts = serving.load_models("code50m", torch.bfloat16, device)
+    with torch.inference_mode():
+        sps_table = SPSTable.profile(target, model_name="code50m", progress=False, context_length=256, repeats=5,
+                                     batch_tokens=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048))
+    args = argparse.Namespace(max_new_tokens=64, requests_per_slot=2, length_spread=0.5)
+    warm_up = argparse.Namespace(**{**vars(args), "max_new_tokens": 8})
+    settings = {name: setting for name, setting in serving.policies(0.5, drafter.config.num_draft_slots).items()
+                if name in ("no_spec", "fixed_7", "hardware_aware")}
+    told: list[dict] = []
+    record = serving.GUARD.record
+
+    def logged_record(batch_size, seconds, verify_seconds, verify_tokens, tokens, catch_up=False):
+        told.append(dict(batch=batch_size, seconds=seconds, verify_seconds=verify_seconds,
+                         verify_tokens=verify_tokens, tokens=tokens, catch_up=catch_up))
+        record(batch_size, seconds, verify_seconds, verify_tokens, tokens, catch_up)
+
+    serving.GUARD.record = logged_record
+    report = dict(environment=environment(), sps_table=sps_table.to_dict(), runs=[])
+    with torch.inference_mode():
+        for concurrency in concurrencies:
+            for setting in settings.values():
+                serving.run_cell(target, drafter, prompts, concurrency, setting, warm_up, sps_table)
+            for repeat in range(2):
+                told.clear()
+                logs: dict[str, list] = {}
+                cells, _ = serving.run_interleaved(target, drafter, prompts, concurrency, settings, args, sps_table,
+                                                   round_logs=logs)
+                report["runs"].append(dict(concurrency=concurrency, repeat=repeat, guard_records=list(told),
+                                           guard=cells["hardware_aware"]["guard"],
+                                           tokens_per_second={n: c["tokens_per_second"] for n, c in cells.items()},
+                                           round_logs=logs))
+                print(concurrency, repeat, {n: round(c["tokens_per_second"]) for n, c in cells.items()},
+                      f"plain share {cells['hardware_aware']['plain_round_fraction']:.2f}", flush=True)
+    Path(out).write_text(json.dumps(report) + "\n")
+
+
+def round_log_report(path: str) -> None:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as handle:
+        report = json.load(handle)
+    for run in report["runs"]:
+        speeds, logs = run["tokens_per_second"], run["round_logs"]
+        ratios = " ".join(f"{name}/no_spec {speed / speeds['no_spec']:.2f}" for name, speed in speeds.items()
+                          if name != "no_spec")
+        print(f"c = {run['concurrency']}, run {run['repeat']}: {ratios}")
+        for name, log in logs.items():
+            parts = []
+            for kind, speculative in (("plain", False), ("speculative", True)):
+                for admission in (False, True):
+                    seconds = [entry["seconds"] for entry in log if entry["speculative"] == speculative
+                               and bool(entry.get("admitted", 0)) == admission]
+                    if seconds:
+                        label = f"{kind}{' + admission' if admission else ''}"
+                        parts.append(f"{label} {len(seconds)} x {1e3 * statistics.fmean(seconds):.1f} ms")
+            known = "" if all("admitted" in entry for entry in log) else " (admissions not logged)"
+            print(f"  {name:>15}: {sum(entry['seconds'] for entry in log):.2f} s = {', '.join(parts)}{known}")
+        guard = (run.get("guard") or {}).get(str(run["concurrency"]))
+        if guard:
+            print(f"  {'guard':>15}: " + ", ".join(f"{key} {value:.2f}" if isinstance(value, float) else
+                                                   f"{key} {value}" for key, value in guard.items()))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -137,10 +208,18 @@ def main() -> None:
     phases.add_argument("out")
     plain = commands.add_parser("plain-rounds")
     plain.add_argument("--concurrency", type=int, default=256)
+    logs = commands.add_parser("round-logs")
+    logs.add_argument("out")
+    logs.add_argument("--concurrency", type=int, nargs="+", default=[32, 256])
+    commands.add_parser("round-log-report").add_argument("path")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     if args.command == "host-phases":
         host_phases(args.out, args.device)
+    elif args.command == "round-logs":
+        round_logs(args.out, args.concurrency, args.device)
+    elif args.command == "round-log-report":
+        round_log_report(args.path)
     else:
         plain_rounds(args.concurrency, args.device)
 

@@ -63,7 +63,11 @@ def test_interleaved_cells_compute_what_cells_run_alone_compute(models):
     target, drafter, prompts = models
     settings = {"no_spec": dict(policy="none"), "fixed_7": FIXED,
                 "static_threshold": dict(policy="static_threshold", threshold=0.3)}
-    cells, recorded = serving.run_interleaved(target, drafter, prompts, 3, settings, ARGS, None, record="fixed_7")
+    logs = {}
+    cells, recorded = serving.run_interleaved(target, drafter, prompts, 3, settings, ARGS, None, record="fixed_7",
+                                              round_logs=logs)
+    assert {name: len(log) for name, log in logs.items()} == {name: cell["rounds"] for name, cell in cells.items()}
+    assert sum(entry["admitted"] for entry in logs["no_spec"]) == cells["no_spec"]["requests"]
     keys = ("requests", "generated_tokens", "rounds", "tau", "verify_length_histogram", "plain_round_fraction")
     for name, setting in settings.items():
         alone = serving.run_cell(target, drafter, prompts, 3, setting, ARGS, None)

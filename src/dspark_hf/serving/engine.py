@@ -162,7 +162,8 @@ class DSparkEngine:
             self.runner.profiler = RoundProfiler(target.device)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
-        self.round_log: list[dict] = []  # per round: batch, verify lengths, accepted, drafted?, width, holes, seconds
+        # per round: batch, requests admitted, verify lengths, accepted, drafted?, width, holes, seconds
+        self.round_log: list[dict] = []
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._stop_criteria: dict[tuple[str, ...], StopStringCriteria] = {}
@@ -286,7 +287,8 @@ class DSparkEngine:
             rows = list(self.runner.rows)
             committed = self.runner.step()
             state = self.runner.state
-            self.round_log.append(dict(batch=len(rows), verify=[row.drafted[-1] for row in rows],
+            self.round_log.append(dict(batch=len(rows), admitted=len(admitted),
+                                       verify=[row.drafted[-1] for row in rows],
                                        accepted=[row.accepted[-1] for row in rows],
                                        speculative=self.runner.drafted_last_round, width=state.width,
                                        holes=state.hole_fraction(), seconds=time.perf_counter() - started))
