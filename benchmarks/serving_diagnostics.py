@@ -15,7 +15,7 @@ between the two engines, then one more of each runs under cProfile
 (`results/serving_diagnostics/plain_round_profile_h200.txt`).
 round-logs: where do the hardware-aware engine's seconds go? The benchmark's interleaved cells (64 new tokens ± 50 %,
 2 requests per slot, after its warm-up) of no speculation, fixed γ = 7, the hardware-aware policy and `ha_plain`,
-twice per concurrency; every engine's round log and every round the guard was told about are written out.
+twice per concurrency; every engine's round log and every speculative round the guard was told about are written out.
 round-log-report: per run of a round-logs file, tokens/s relative to no speculation, and each engine's seconds split
 into plain and speculative rounds with and without an admission (prefill of new requests), as count × mean ms.
 """
@@ -156,13 +156,7 @@ def round_logs(out: str, concurrencies: list[int], device: str) -> None:
                          verify_tokens=verify_tokens, tokens=tokens, catch_up=catch_up))
         record(batch_size, seconds, verify_seconds, verify_tokens, tokens, catch_up)
 
-    record_plain = serving.GUARD.record_plain
-
-    def logged_record_plain(batch_size, seconds):
-        told.append(dict(batch=batch_size, seconds=seconds, plain=True))
-        record_plain(batch_size, seconds)
-
-    serving.GUARD.record, serving.GUARD.record_plain = logged_record, logged_record_plain
+    serving.GUARD.record = logged_record
     report = dict(environment=environment(), sps_table=sps_table.to_dict(), runs=[])
     with torch.inference_mode():
         for concurrency in concurrencies:

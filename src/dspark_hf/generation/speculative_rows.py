@@ -277,13 +277,10 @@ class SpeculativeRows:
             row.drafted.append(length)
             row.accepted.append(n)
             committed.append(out[: n + 1])
-        if self.guard is not None:  # the .tolist() above waited for the device: times are real
+        if self.guard is not None and drafter_ran:  # the .tolist() above waited for the device: times are real
             finished = time.perf_counter()
-            if drafter_ran:
-                self.guard.record(len(rows), finished - started, finished - verify_started, state.size * span,
-                                  sum(map(len, committed)), catch_up=not drafted_before)
-            else:
-                self.guard.record_plain(len(rows), finished - started)
+            self.guard.record(len(rows), finished - started, finished - verify_started, state.size * span,
+                              sum(map(len, committed)), catch_up=not drafted_before)
         return committed
 
 
