@@ -37,11 +37,15 @@ plain greedy continuation has no eos, left-padded, repeated when fewer exist):
 - `plain_eager`, `plain_static_compile`: batched `target.generate()` (left padding, attention mask), as above;
 - `dspark_engine`: `dspark_hf.serving.DSparkEngine(target, drafter, max_batch_size=B, policy="fixed")`, all B
   requests queued at once (`ignore_eos=True`), every draft verified; `tau` and `rounds` from its round log;
-- `engine_no_spec`: the same engine with `policy="none"` and no drafter (our plain batched decoding).
+- `engine_no_spec`: the same engine with `policy="none"` and no drafter (our plain batched decoding);
+- `plain_static`, `plain_static_compiled`, `dspark_static`, `dspark_static_compiled`:
+  `dspark_hf.generation.static_generate_batch` (static caches with a write position per row; eos off), eager and
+  with `compile=True` on CUDA (one CUDA graph per round, one host read per round); `tau` and `rounds` from its
+  per-row statistics.
 
 Not measured, with the reason also in each entry's `not_measured` (method -> reason):
-- at batch > 1: `static_generate` (batch 1 only; `engine_no_spec` is our plain batched path), transformers' assisted
-  generation and prompt lookup (its `_assisted_decoding` raises for batch > 1); batched
+- at batch > 1: transformers' assisted generation and prompt lookup (its `_assisted_decoding` raises for batch > 1);
+  batched
   `generate(assistant_model=drafter)` is not timed separately (dspark_hf routes it to the decoding core the engine
   runs, `SpeculativeRows`);
 - `dflash_native`, transformers' DFlash path (`speculation_type="dflash"`, `DFlashTokenCandidateGenerator`),
@@ -93,7 +97,7 @@ from common import (QWEN3_4B, REPO, RESULTS, environment, humaneval_prompts, loa
 
 import dspark_hf  # noqa: E402
 from dspark_hf.devices import synchronize  # noqa: E402
-from dspark_hf.generation import static_generate  # noqa: E402
+from dspark_hf.generation import static_generate, static_generate_batch  # noqa: E402
 from dspark_hf.serving import DSparkEngine  # noqa: E402
 
 SHAPES = {
@@ -127,10 +131,8 @@ def not_measured(name: str, batch: int) -> dict[str, str]:
             skipped["assisted_10m"] = "the 10M assistant is the code fixture's (its tokenizer); random shapes have none"
             skipped["dflash_native"] = "no DFlash drafter for a random shape (and see code50m's reason)"
         return skipped
-    one_prompt = "batch 1 only: static_generate decodes one prompt [1, L]"
     hf_batch_1 = "batch 1 only: transformers' _assisted_decoding raises for batch_size > 1"
-    skipped = {name: one_prompt for name in ("plain_static", "plain_static_compiled", "dspark_static",
-                                             "dspark_static_compiled")}
+    skipped = {}
     skipped.update({"prompt_lookup": hf_batch_1,
                "dspark_generate": "not timed separately: dspark_hf routes batched generate(assistant_model=drafter) "
                                   "to SpeculativeRows, the decoding core dspark_engine runs",
@@ -374,10 +376,18 @@ def measure_batch(target, drafter, prompts: list[list[int]], new_tokens: int) ->
         "dspark_engine": engine_method(DSparkEngine(target, drafter, max_batch_size=batch, policy="fixed", seed=0)),
         "engine_no_spec": engine_method(DSparkEngine(target, None, max_batch_size=batch, policy="none", seed=0)),
     }
+    def static_batch(model, compile: bool):
+        return lambda: torch.tensor(static_generate_batch(target, model, ids, mask, new_tokens, eos_token_id=[],
+                                                          compile=compile and device.type == "cuda"), device=device)
+
     methods = {
         "plain_eager": lambda: target.generate(ids, **fixed)[:, ids.shape[1]:],
         "plain_static_compile": lambda: target.generate(ids, cache_implementation="static", **fixed)[:, ids.shape[1]:],
         **{name: call for name, (_, call) in engines.items()},
+        "plain_static": static_batch(None, False),
+        "plain_static_compiled": static_batch(None, True),
+        "dspark_static": static_batch(drafter, False),
+        "dspark_static_compiled": static_batch(drafter, True),
     }
     rows, outputs = {}, {}
     for name, method in methods.items():
@@ -390,6 +400,9 @@ def measure_batch(target, drafter, prompts: list[list[int]], new_tokens: int) ->
             accepted = [n for entry in log for n in entry["accepted"]]
             row.update(tau=(sum(accepted) + len(accepted)) / max(1, len(accepted)), rounds=len(log),
                        ms_per_round=1e3 * seconds / max(1, len(log)))
+        elif name.startswith("dspark_static"):
+            stats = drafter.generation_stats
+            row.update(tau=stats.tau, rounds=stats.rounds, ms_per_round=1e3 * seconds / max(1, stats.rounds))
         rows[name], outputs[name] = row, output
         print(f"{name:>24} {row['tokens_per_second']:8.1f} tok/s"
               + (f"  tau {row['tau']:.2f}  {row['ms_per_round']:.1f} ms/round" if "tau" in row else ""), flush=True)

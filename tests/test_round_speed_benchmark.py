@@ -14,7 +14,8 @@ torch = round_speed.torch
 
 BATCH_1 = {"plain_eager", "plain_static_compile", "plain_static", "plain_static_compiled", "dspark_generate",
            "dspark_static", "dspark_static_compiled", "prompt_lookup"}
-BATCHED = {"plain_eager", "plain_static_compile", "dspark_engine", "engine_no_spec"}
+BATCHED = {"plain_eager", "plain_static_compile", "dspark_engine", "engine_no_spec", "plain_static",
+           "plain_static_compiled", "dspark_static", "dspark_static_compiled"}
 needs_fixtures = pytest.mark.skipif(not (round_speed.REPO.parent / "shared" / "fixtures").is_dir(),
                                     reason="needs ../shared/fixtures (the 50M code fixture and its 10M assistant)")
 
@@ -44,7 +45,8 @@ def test_batched_methods_run_and_match_plain_decoding(smoke):
     assert set(rows) == BATCHED
     for row in rows.values():
         assert row["matched_plain_min"] == 1.0 and row["generated_tokens"] == 4 * 10 and row["tokens_per_second"] > 0
-    assert rows["dspark_engine"]["rounds"] > 0 and rows["dspark_engine"]["tau"] >= 1
+    for name in ("dspark_engine", "dspark_static", "dspark_static_compiled"):
+        assert rows[name]["rounds"] > 0 and rows[name]["tau"] >= 1
     assert rows["engine_no_spec"]["tau"] == 1.0
 
 
@@ -62,8 +64,7 @@ def test_not_measured_names_a_reason_for_every_skipped_method():
         assert "dflash_native" in skipped and not set(skipped) & BATCH_1
         assert ("assisted_10m" in skipped) == (name != "code50m")
         batched = round_speed.not_measured(name, 64)
-        assert {"plain_static", "plain_static_compiled", "dspark_static", "dspark_static_compiled", "prompt_lookup",
-                "assisted_10m"} <= set(batched)
+        assert {"prompt_lookup", "assisted_10m"} <= set(batched) and not set(batched) & BATCHED
         assert all(isinstance(reason, str) and reason for reason in (*skipped.values(), *batched.values()))
 
 

@@ -1,0 +1,179 @@
+"""`static_generate_batch`: greedy decoding of a left-padded batch on static caches with a write position per row.
+Every row equals its solo plain `generate()` (float32), plain (`drafter=None`) and DSpark, with a bigram-oracle
+drafter (rows accept different numbers of drafts in one round) and a random one, rows of different lengths (shorter
+than a round's γ + 1 too), eos in the middle of a round, and budgets that end mid-round; and each row's drafts equal
+those of the drafter given the row's whole committed context at once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_batched_generate import left_padded, random_batches
+from test_static_loop import counting_backend
+from tiny_models import install_bigram_oracle, make_bigram_like, tiny_drafter, tiny_gemma4_target, tiny_target
+from transformers.cache_utils import DynamicCache
+
+from dspark_hf.generation.static_batch import RowStaticCache, StaticBatchRounds, static_generate_batch
+from dspark_hf.models import TargetLayerTap
+
+VOCAB_SIZE, EOS = 48, 2
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def target(request):
+    return make_bigram_like(tiny_target(request.param, vocab_size=VOCAB_SIZE, eos_token_id=EOS))
+
+
+def solo(target, prompt: list[int], max_new_tokens: int) -> list[int]:
+    out = target.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def assert_rows_equal_solo(target, drafter, prompts, max_new_tokens):
+    ids, mask = left_padded(prompts)
+    rows = static_generate_batch(target, drafter, ids, mask, max_new_tokens)
+    for prompt, row in zip(prompts, rows):
+        assert row == solo(target, prompt, max_new_tokens), prompt
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 9, 30])
+def test_rows_equal_solo_generate(target, max_new_tokens):
+    oracle = install_bigram_oracle(tiny_drafter(target, block_size=5, markov_rank=VOCAB_SIZE), target)
+    for prompts in random_batches(VOCAB_SIZE, count=2, size=5, seed=max_new_tokens):
+        assert_rows_equal_solo(target, None, prompts, max_new_tokens)
+        assert_rows_equal_solo(target, oracle, prompts, max_new_tokens)
+        assert_rows_equal_solo(target, tiny_drafter(target, block_size=5, seed=3), prompts, max_new_tokens)
+
+
+def test_rows_accept_different_numbers_of_drafts_in_one_round(target):
+    drafter = install_bigram_oracle(tiny_drafter(target, block_size=5, markov_rank=VOCAB_SIZE), target, scale=3.0)
+    prompts = random_batches(VOCAB_SIZE, count=1, size=6, seed=2)[0]
+    ids, mask = left_padded(prompts)
+    rounds = StaticBatchRounds(target, drafter, len(prompts), capacity=ids.shape[1] + 64)
+    rounds.prefill(ids, mask)
+    accepted = []
+    with torch.no_grad(), rounds.tap:
+        for _ in range(6):
+            rounds.step()
+            accepted.append(rounds.record[:, 0].tolist())
+    assert any(len(set(round_)) > 1 for round_ in accepted)  # per-row write positions really differ
+    assert max(max(round_) for round_ in accepted) > 0
+    assert_rows_equal_solo(target, drafter, prompts, 25)
+
+
+def reference_drafts(target, drafter, sequence: list[int], anchor: int) -> list[int]:
+    """The drafts after `anchor` from a drafter given the target features of all of `sequence` (the committed tokens
+    before the anchor) at once, on a fresh cache."""
+    tap = TargetLayerTap(target, drafter.config.target_layer_ids)
+    with torch.no_grad(), tap:
+        target(input_ids=torch.tensor([sequence]))
+        features = tap.features()
+    length, block = len(sequence), drafter.config.block_size
+    proposal = drafter.draft(torch.tensor([anchor]), features, DynamicCache(),
+                             position_ids=torch.arange(length, length + block)[None],
+                             context_position_ids=torch.arange(length)[None])
+    return proposal.tokens[0].tolist()
+
+
+def test_each_row_drafts_from_exactly_its_committed_context(target):
+    """Output equality cannot see the drafter's context (drafts change only what is accepted): a random drafter,
+    whose drafts depend on every context feature, must propose what it proposes given the row's whole context."""
+    drafter = tiny_drafter(target, block_size=5, seed=3)
+    oracle = install_bigram_oracle(tiny_drafter(target, block_size=5, markov_rank=VOCAB_SIZE), target, scale=3.0)
+    prompts = random_batches(VOCAB_SIZE, count=1, size=4, seed=8)[0]
+    ids, mask = left_padded(prompts)
+    for model in (drafter, oracle):  # the oracle accepts some drafts: write positions move apart
+        rounds = StaticBatchRounds(target, model, len(prompts), capacity=ids.shape[1] + 64)
+        rounds.prefill(ids, mask)
+        committed = [[token] for token in rounds.record[:, 1].tolist()]
+        for _ in range(5):
+            contexts = [prompt + row[:-1] for prompt, row in zip(prompts, committed)]
+            with torch.no_grad(), rounds.tap:
+                rounds.step()
+            for row, (accepted, *tokens) in enumerate(rounds.record.tolist()):
+                assert rounds.drafts[row].tolist() == reference_drafts(target, model, contexts[row],
+                                                                       committed[row][-1])
+                committed[row] += tokens[: accepted + 1]
+
+
+def test_eos_ends_each_row_where_plain_decoding_does():
+    target = make_bigram_like(tiny_target("qwen3", vocab_size=VOCAB_SIZE, eos_token_id=EOS))
+    drafter = install_bigram_oracle(tiny_drafter(target, block_size=5, markov_rank=VOCAB_SIZE), target)
+    prompts = [[9, 11, last] for last in range(4, 16)]  # a bigram target continues from the last token
+    continuations = [solo(target, prompt, 30) for prompt in prompts]
+    # an eos that ends some rows after a few tokens (inside a round) and not others
+    eos = next(token for token in range(3, VOCAB_SIZE)
+               if any(token in row[2:] and token not in row[:2] for row in continuations)
+               and any(token not in row for row in continuations))
+    ids, mask = left_padded(prompts)
+    rows = static_generate_batch(target, drafter, ids, mask, 30, eos_token_id=eos)
+    ended = 0
+    for prompt, row in zip(prompts, rows):
+        expected = target.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False,
+                                   eos_token_id=eos)[0, len(prompt):].tolist()
+        if eos in expected:
+            expected = expected[: expected.index(eos) + 1]
+            ended += 1
+        assert row == expected
+    assert 0 < ended < len(prompts)
+
+
+@pytest.mark.parametrize("with_drafter", [True, False], ids=["dspark", "plain"])
+def test_compiled_round_is_one_graph_with_the_same_rows(target, with_drafter):
+    """fullgraph=True: drafter, Markov loop, target forward, acceptance and the per-row bookkeeping trace without a
+    graph break, once for two whole generations (one shape: what CUDA-graph capture needs)."""
+    drafter = install_bigram_oracle(tiny_drafter(target, block_size=5, markov_rank=VOCAB_SIZE), target, scale=3.0)
+    drafter = drafter if with_drafter else None
+    compilations, backend = counting_backend()
+    torch._dynamo.reset()
+    prompts = random_batches(VOCAB_SIZE, count=1, size=4, seed=4)[0]
+    ids, mask = left_padded(prompts)
+    options = dict(backend=backend, fullgraph=True, dynamic=False)
+    rows = static_generate_batch(target, drafter, ids, mask, 20, compile=options)
+    assert rows == [solo(target, prompt, 20) for prompt in prompts]
+    kept = StaticBatchRounds.for_models(target, drafter, len(prompts), 1, options)
+    other = [prompt[::-1] + [5] for prompt in prompts]  # a second call, other prompts: the kept round, no recompile
+    ids, mask = left_padded(other)
+    assert static_generate_batch(target, drafter, ids, mask, 12, compile=options) == [solo(target, p, 12)
+                                                                                       for p in other]
+    assert StaticBatchRounds.for_models(target, drafter, len(prompts), 1, options) is kept
+    assert len(compilations) == 1
+
+
+def test_inductor_keeps_each_rows_state_consistent():
+    """Compiled by inductor, every row accepts what it accepts eagerly, and its drafter context starts where the
+    last round's anchor stood (see test_static_loop's inductor test for the copy-after-update it once made). One
+    target family: inductor compiles for ~30 s."""
+    target = make_bigram_like(tiny_target("qwen3", vocab_size=VOCAB_SIZE, eos_token_id=EOS))
+    drafter = install_bigram_oracle(tiny_drafter(target, block_size=5, markov_rank=VOCAB_SIZE), target, scale=3.0)
+    prompts = random_batches(VOCAB_SIZE, count=1, size=3, seed=6)[0]
+    ids, mask = left_padded(prompts)
+    eager = static_generate_batch(target, drafter, ids, mask, 16, eos_token_id=[])
+    accepted = [row.accepted for row in drafter.generation_stats.rows]
+    torch._dynamo.reset()
+    options = dict(backend="inductor", fullgraph=True, dynamic=False)
+    assert static_generate_batch(target, drafter, ids, mask, 16, eos_token_id=[], compile=options) == eager
+    assert [row.accepted for row in drafter.generation_stats.rows] == accepted
+    rounds = StaticBatchRounds.for_models(target, drafter, len(prompts), 1, options)
+    last = rounds.record[:, 0] + 1
+    moved = (rounds.column - rounds.context_column).tolist()
+    assert all(m in (0, n) for m, n in zip(moved, last.tolist()))
+    assert any(moved)
+
+
+def test_row_cache_writes_each_row_at_its_own_column():
+    cache = RowStaticCache(num_layers=1, capacity=6, batch_size=2, device=torch.device("cpu"))
+    cache.move_to(torch.tensor([1, 3]))
+    states = torch.arange(2 * 1 * 2 * 1, dtype=torch.float32).reshape(2, 1, 2, 1) + 1
+    keys, _ = cache.update(states, states, 0)
+    assert keys[0, 0, :, 0].tolist() == [0, 1, 2, 0, 0, 0] and keys[1, 0, :, 0].tolist() == [0, 0, 0, 3, 4, 0]
+    assert cache.layers[0].cumulative_length.tolist() == [3, 5]
+
+
+def test_bad_calls_are_refused(target):
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        static_generate_batch(target, None, torch.tensor([[5, 6]]), None, 0)
+    with pytest.raises(ValueError, match="one prompt token"):
+        static_generate_batch(target, None, torch.tensor([[5, 6]]), torch.tensor([[0, 0]]), 4)
+    with pytest.raises(ValueError, match="full-attention"):
+        static_generate_batch(tiny_gemma4_target(), None, torch.tensor([[5, 6]]), None, 4)
