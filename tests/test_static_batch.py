@@ -1,16 +1,22 @@
-"""`static_generate_batch`: greedy decoding of a left-padded batch on static caches with a write position per row.
-Every row equals its solo plain `generate()` (float32), plain (`drafter=None`) and DSpark, with a bigram-oracle
+"""`static_generate_batch`: decoding a left-padded batch on static caches with a write position per row.
+Greedy: every row equals its solo plain `generate()` (float32), plain (`drafter=None`) and DSpark, with a bigram-oracle
 drafter (rows accept different numbers of drafts in one round) and a random one, rows of different lengths (shorter
 than a round's γ + 1 too), eos in the middle of a round, and budgets that end mid-round; and each row's drafts equal
-those of the drafter given the row's whole committed context at once."""
+those of the drafter given the row's whole committed context at once. Sampling: per prompt, the rows follow the
+target's exact distribution (chi-square), and a seed fixes the draw eager and compiled."""
 
 from __future__ import annotations
+
+from collections import Counter
 
 import pytest
 import torch
 from test_batched_generate import left_padded, random_batches
+from test_generation_sampling import ALPHA, NEW_TOKENS, PROMPT, chi_square_p_value, exact_distribution, oracle_drafter
+from test_generation_sampling import VOCAB as SMALL_VOCAB
 from test_static_loop import counting_backend
 from tiny_models import install_bigram_oracle, make_bigram_like, tiny_drafter, tiny_gemma4_target, tiny_target
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 from transformers.cache_utils import DynamicCache
 
 from dspark_hf.generation.static_batch import RowStaticCache, StaticBatchRounds, static_generate_batch
@@ -159,6 +165,48 @@ def test_inductor_keeps_each_rows_state_consistent():
     moved = (rounds.column - rounds.context_column).tolist()
     assert all(m in (0, n) for m, n in zip(moved, last.tolist()))
     assert any(moved)
+
+
+SECOND_PROMPT = [2, 3, 0, 5, 1]  # longer: the rows of PROMPT are left-padded
+
+
+@pytest.mark.parametrize("with_drafter", [True, False], ids=["dspark", "plain"])
+def test_sampling_follows_each_rows_target_distribution(with_drafter):
+    """2500 rows of each of two prompts in one batch (temperature 0.7, top-p 0.8): per prompt, the rows' first three
+    tokens pass the chi-square test against the exactly enumerated distribution (see test_generation_sampling.py for
+    the protocol and the stated false-alarm rate of 0.1 %). Negative control: the same rows fail the test against
+    the distribution at a temperature 15 % higher."""
+    target = make_bigram_like(tiny_target("qwen3", vocab_size=SMALL_VOCAB, eos_token_id=None), damping=0.3)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(6.0)
+    drafter = oracle_drafter(target, scale=3.0) if with_drafter else None
+    prompts, num_samples = (PROMPT[0].tolist(), SECOND_PROMPT), 2500
+    ids, mask = left_padded([prompt for prompt in prompts for _ in range(num_samples)])
+    rows = static_generate_batch(target, drafter, ids, mask, NEW_TOKENS, do_sample=True, temperature=0.7, top_p=0.8,
+                                 seed=0)
+    processors = LogitsProcessorList([TemperatureLogitsWarper(0.7), TopPLogitsWarper(0.8)])
+    hotter = LogitsProcessorList([TemperatureLogitsWarper(0.7 * 1.15), TopPLogitsWarper(0.8)])
+    for index, prompt in enumerate(prompts):
+        counts = Counter(tuple(row) for row in rows[index * num_samples: (index + 1) * num_samples])
+        assert chi_square_p_value(counts, exact_distribution(target, processors, prompt), num_samples) > ALPHA
+        assert chi_square_p_value(counts, exact_distribution(target, hotter, prompt), num_samples) < ALPHA
+    if with_drafter:
+        assert drafter.generation_stats.tau > 1.2  # drafts were accepted: the verification, not only the bonus, ran
+
+
+def test_sampling_is_fixed_by_the_seed_eager_and_compiled(target):
+    drafter = tiny_drafter(target, block_size=5, seed=3)
+    prompts = random_batches(VOCAB_SIZE, count=1, size=3, seed=1)[0]
+    ids, mask = left_padded(prompts)
+    compilations, backend = counting_backend()
+    torch._dynamo.reset()
+    options = dict(backend=backend, fullgraph=True, dynamic=False)
+    draws = {compile is not False: [static_generate_batch(target, drafter, ids, mask, 12, do_sample=True, top_k=20,
+                                                          temperature=0.8, seed=seed, compile=compile)
+                                    for seed in range(3)]
+             for compile in (False, options)}
+    assert draws[False] == draws[True] and draws[False][0] != draws[False][1]
+    assert len(compilations) == 1
 
 
 def test_row_cache_writes_each_row_at_its_own_column():

@@ -1,28 +1,32 @@
-"""Batched greedy decoding on static KV caches with a write position per row: the batch > 1 fast path (experimental).
+"""Batched decoding on static KV caches with a write position per row: the batch > 1 fast path (experimental).
 
-`static_generate_batch(target, drafter, input_ids, attention_mask, max_new_tokens)` decodes a left-padded batch
-greedily, like `generate(assistant_model=drafter)` with a fixed verify length (every round verifies all γ drafts of
-every row), and every round is the same function of the same shapes:
+`static_generate_batch(target, drafter, input_ids, attention_mask, max_new_tokens)` decodes a left-padded batch like
+`generate(assistant_model=drafter)` with a fixed verify length (every round verifies all γ drafts of every row), and
+every round is the same function of the same shapes:
 
 - target and drafter each keep a `RowStaticCache`: [B, heads, capacity, d] buffers whose write position is per row,
   so a row's new states go to its own next columns. Rows that accepted different numbers of drafts stay dense: row
   b's column c always holds its position c - pad_b (pad_b: its left padding), and a rejected draft's column is
   simply written again by the next round;
 - a round drafts from each row's previous verify features (the first a_b + 1 of them are context, the attention
-  mask hides the rest), runs the Markov loop, the target's forward over [anchor, γ drafts] of every row, greedy
+  mask hides the rest), runs the Markov loop, the target's forward over [anchor, γ drafts] of every row, the
   acceptance, and moves each row's write positions past its accepted tokens;
 - the rows' state lives in device buffers updated in place, so `compile=True` can capture a round as one CUDA graph
   (`torch.compile(mode="reduce-overhead")`); the host reads one record per round (one synchronisation).
 
-`drafter=None` decodes plainly on the same caches: the fast plain baseline at batch B. Greedy only; a row stops at
-its first eos or after `max_new_tokens`; rows that have stopped keep computing (their tokens are dropped) until all
-have. Each row equals its solo plain `generate()` in float32 (tests/test_static_batch.py). Attention runs through
-the models' own implementation with a 4D mask (sdpa by default); the batch-1 loop's Triton kernel is not used.
+Greedy acceptance runs inside the round. Sampling (temperature / top-k / top-p, the same for every row) draws drafts
+by the exponential race on noise drawn before the round, so no generator runs inside it, and verifies them with
+`dspark_hf.verify` after it. `drafter=None` decodes plainly on the same caches: the fast plain baseline at batch B.
+A row stops at its first eos or after `max_new_tokens`; rows that have stopped keep computing (their tokens are
+dropped) until all have. Greedy rows equal their solo plain `generate()` in float32, sampled rows follow the target's
+distribution (tests/test_static_batch.py). Attention runs through the models' own implementation with a 4D mask
+(SDPA by default); the batch-1 loop's Triton kernel is not used.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 
 import torch
 from transformers import PreTrainedModel
@@ -31,9 +35,12 @@ from transformers.cache_utils import Cache, StaticLayer
 from ..models import DSparkDraftModel, TargetLayerTap
 from ..models.modeling import greedy_selector
 from ..tensor_ops import argmax_last
+from ..verify import verify
+from ..verify.reference import processed_scores
 from .batched import BatchedDSparkStats
 from .candidate_generator import DSparkStats
 from .speculative_rows import check_batchable_target
+from .static_loop import exponential_noise, race
 from .target_features import check_drafter_fits_target
 
 
@@ -81,7 +88,9 @@ def visible_columns(pad: torch.Tensor, first_query: torch.Tensor, queries: int, 
 
 class StaticBatchRounds:
     """Target (and drafter) on `RowStaticCache`s for `batch_size` rows of `capacity` columns, the rows' state in
-    device buffers, and `step()`: one round (`compiled` when compiling) that records its result in `record`.
+    device buffers, and `step()`: one round (`compiled` when compiling). Greedy and plain sampled rounds record
+    their result in `record` and advance the rows; a sampled DSpark round returns its drafts and scores for
+    `dspark_hf.verify`, after which `advance` does that.
 
     `StaticBatchRounds.for_models(...)` keeps the last one built for a drafter (or a target decoding plainly) and
     reuses it for the same batch size while it fits, so repeated calls neither reallocate nor recompile."""
@@ -90,23 +99,24 @@ class StaticBatchRounds:
 
     @classmethod
     def for_models(cls, target: PreTrainedModel, drafter: DSparkDraftModel | None, batch_size: int, capacity: int,
-                   compile: bool | dict = False) -> StaticBatchRounds:
+                   compile: bool | dict = False, do_sample: bool = False) -> StaticBatchRounds:
         owner = drafter if drafter is not None else target
         kept = cls._kept.get(owner)
-        if kept is None or kept.key != cls.key_of(target, batch_size, compile) or kept.capacity < capacity:
-            kept = cls._kept[owner] = cls(target, drafter, batch_size, capacity, compile)
+        if (kept is None or kept.key != cls.key_of(target, batch_size, compile, do_sample)
+                or kept.capacity < capacity):
+            kept = cls._kept[owner] = cls(target, drafter, batch_size, capacity, compile, do_sample)
         return kept
 
     @staticmethod
-    def key_of(target: PreTrainedModel, batch_size: int, compile: bool | dict) -> tuple:
+    def key_of(target: PreTrainedModel, batch_size: int, compile: bool | dict, do_sample: bool) -> tuple:
         """What must match for a kept instance to be reused (besides fitting the length)."""
-        return id(target), batch_size, repr(compile)
+        return id(target), batch_size, repr(compile), do_sample
 
     def __init__(self, target: PreTrainedModel, drafter: DSparkDraftModel | None, batch_size: int, capacity: int,
-                 compile: bool | dict = False):
+                 compile: bool | dict = False, do_sample: bool = False):
         check_batchable_target(target)
         self.target, self.drafter, self.capacity = target, drafter, capacity
-        self.key = self.key_of(target, batch_size, compile)
+        self.key = self.key_of(target, batch_size, compile, do_sample)
         device = target.device
         text = target.config.get_text_config()
         self.target_cache = RowStaticCache(text.num_hidden_layers, capacity, batch_size, device)
@@ -128,7 +138,10 @@ class StaticBatchRounds:
         self.features: torch.Tensor | None = None  # [B, γ + 1, K·H]: the last verify forward's target features
         self.record = torch.zeros(batch_size, 1 + self.width, **long)  # [accepted, emitted tokens] per row
         self.drafts = torch.zeros(batch_size, self.width - 1, **long)  # the last round's drafts
-        self.step = self._plain_round if drafter is None else self._dspark_round
+        if do_sample:  # DSpark: the graph drafts and scores; `dspark_hf.verify` and `advance` run after it
+            self.step = self._sampled_plain_round if drafter is None else self._sampled_dspark_round
+        else:
+            self.step = self._plain_round if drafter is None else self._dspark_round
         self.compiled = self.step
         if compile:
             for buffer in (self.pad, self.anchor, self.column, self.context_column, self.active, self.record,
@@ -147,14 +160,16 @@ class StaticBatchRounds:
                              past_key_values=self.target_cache, use_cache=True).logits.float()
         return logits, self.tap.features() if self.tap is not None else None
 
-    def prefill(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor) -> None:
-        """The left-padded prompts [B, W]: fills the caches, picks each row's first token (in `record`)."""
+    def prefill(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor,
+                choose: Callable[[torch.Tensor], torch.LongTensor] = argmax_last) -> None:
+        """The left-padded prompts [B, W]: fills the caches; `choose` picks each row's first token from its last
+        logits [B, V] (into `record`)."""
         device = self.target.device
         self.pad.copy_((attention_mask == 0).sum(dim=1).to(device))
         start = torch.zeros_like(self.pad)
         with self.tap if self.tap is not None else torch.no_grad():
             logits, features = self._target_forward(input_ids.to(device), start)
-        self.anchor.copy_(argmax_last(logits[:, -1]))
+        self.anchor.copy_(choose(logits[:, -1]))
         self.column.fill_(input_ids.shape[1])
         self.active.fill_(1)
         self.record.zero_()
@@ -180,14 +195,23 @@ class StaticBatchRounds:
 
     # ------------------------------------------------------------------ rounds
     def _plain_round(self) -> None:
+        self._plain_step(argmax_last)
+
+    def _sampled_plain_round(self, noise: torch.Tensor, temperatures, top_ks, top_ps) -> None:
+        """`noise` [B, V] ~ Exp(1): each row's next token by the exponential race on its processed distribution."""
+        self._plain_step(lambda logits: race(processed_scores(logits, temperatures, top_ks, top_ps).softmax(-1), noise))
+
+    def _plain_step(self, choose: Callable[[torch.Tensor], torch.LongTensor]) -> None:
         logits, _ = self._target_forward(self.anchor[:, None], self.column)
-        token = argmax_last(logits[:, -1])
+        token = choose(logits[:, -1])
         self.record[:, 0] = 0
         self.record[:, 1] = token
         self.anchor.copy_(token)
         self.column.add_(self.active)
 
-    def _dspark_round(self) -> None:
+    def _draft_and_score(self, select) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Drafts γ tokens per row (`select` as `DSparkDraftModel.draft_tokens` takes it) and runs the target over
+        [anchor, drafts] -> (drafts [B, γ], their q logits, target logits [B, γ + 1, V], target features)."""
         drafter, device = self.drafter, self.anchor.device
         block = drafter.config.block_size
         # the previous verify features are context up to the anchor's column; the rest is hidden, then overwritten
@@ -199,14 +223,31 @@ class StaticBatchRounds:
             self.anchor, self.features, self.drafter_cache,
             position_ids=(self.column - self.pad)[:, None] + torch.arange(block, device=device),
             context_position_ids=context_positions.clamp(min=0), attention_mask=mask)
-        drafts = drafter.draft_tokens(self.anchor, hidden, base_logits, greedy_selector).tokens
-        ids = torch.cat([self.anchor[:, None], drafts], dim=1)
+        proposal = drafter.draft_tokens(self.anchor, hidden, base_logits, select)
+        self.drafts.copy_(proposal.tokens)
+        ids = torch.cat([self.anchor[:, None], proposal.tokens], dim=1)
         logits, features = self._target_forward(ids, self.column)
+        return proposal.tokens, proposal.logits, logits, features
+
+    def _dspark_round(self) -> None:
+        drafts, _, logits, features = self._draft_and_score(greedy_selector)
         tokens = argmax_last(logits)  # [B, γ + 1]
-        accepted = (drafts == tokens[:, :-1]).long().cumprod(dim=1).sum(dim=1)
+        self.advance((drafts == tokens[:, :-1]).long().cumprod(dim=1).sum(dim=1), tokens, features)
+
+    def _sampled_dspark_round(self, noise: torch.Tensor, temperatures, top_ks, top_ps):
+        """-> (drafts [B, γ], their q [B, γ, V], target logits, target features) for `verify`; `noise` [B, γ, V]."""
+        def select(drafted, logits):
+            processed = processed_scores(logits, temperatures, top_ks, top_ps)
+            return race(processed.softmax(dim=-1), noise[:, drafted.shape[1]]), processed
+
+        drafts, q_logits, logits, features = self._draft_and_score(select)
+        return drafts, q_logits.softmax(dim=-1), logits, features
+
+    def advance(self, accepted: torch.Tensor, tokens: torch.Tensor, features: torch.Tensor) -> None:
+        """A DSpark round's bookkeeping: [accepted, tokens] into `record`, each row's anchor, features and columns to
+        the next round (rows that have stopped keep their columns)."""
         self.record[:, 0] = accepted
         self.record[:, 1:] = tokens
-        self.drafts.copy_(drafts)
         self.anchor.copy_(tokens.gather(1, accepted[:, None])[:, 0])
         self.features.copy_(features)
         # the old column computed from the new one: inductor may apply a copy of the `self.column` alias after updating
@@ -225,11 +266,18 @@ def static_generate_batch(
     attention_mask: torch.Tensor | None,
     max_new_tokens: int,
     *,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
     eos_token_id: int | list[int] | None = None,
     compile: bool | dict = False,
+    seed: int | None = None,
 ) -> list[list[int]]:
     """Left-padded prompts [B, W] (`attention_mask` 1 on real tokens; None: no padding) -> each row's new tokens
-    (at most `max_new_tokens`, up to and including its first eos). `drafter=None` decodes plainly. `compile`: True
+    (at most `max_new_tokens`, up to and including its first eos). `drafter=None` decodes plainly. Sampling
+    (`do_sample`, with `temperature` / `top_k` / `top_p` for every row) draws drafts by the exponential race on noise
+    drawn before each round and verifies them with `dspark_hf.verify` after it; `seed` seeds both. `compile`: True
     for `torch.compile(mode="reduce-overhead", dynamic=False)` of the round, or a dict of `torch.compile` options.
     Per-row round statistics go to `drafter.generation_stats` (a `BatchedDSparkStats`). Caches and the compiled
     round are kept for the next call of the same batch size (`StaticBatchRounds.for_models`)."""
@@ -237,6 +285,8 @@ def static_generate_batch(
         raise ValueError(f"static_generate_batch() takes left-padded prompts [B, W]; got {tuple(input_ids.shape)}.")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
+    if do_sample and temperature <= 0:
+        raise ValueError("temperature must be > 0 for sampling; use do_sample=False for greedy.")
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     if not bool(attention_mask.any(dim=1).all()):
@@ -246,21 +296,46 @@ def static_generate_batch(
         extra = width + 1 - input_ids.shape[1]
         input_ids = torch.nn.functional.pad(input_ids, (extra, 0))
         attention_mask = torch.nn.functional.pad(attention_mask, (extra, 0))
-    capacity = input_ids.shape[1] + max_new_tokens + 2 * width
-    rounds = StaticBatchRounds.for_models(target, drafter, input_ids.shape[0], capacity, compile)
+    batch, capacity = input_ids.shape[0], input_ids.shape[1] + max_new_tokens + 2 * width
+    rounds = StaticBatchRounds.for_models(target, drafter, batch, capacity, compile, do_sample)
     eos = target.generation_config.eos_token_id if eos_token_id is None else eos_token_id
     eos_ids = set([eos] if isinstance(eos, int) else (eos or []))
-    rounds.prefill(input_ids, attention_mask)
+    device, vocab = target.device, target.config.get_text_config().vocab_size
+    choose, next_round = argmax_last, rounds.compiled
+    if do_sample:
+        generator = torch.Generator(device=device)
+        generator.manual_seed(seed) if seed is not None else generator.seed()
+        sampling = (torch.full((batch,), float(temperature), device=device),
+                    None if top_k is None else torch.full((batch,), top_k, device=device),
+                    None if top_p is None else torch.full((batch,), float(top_p), device=device))
+
+        def choose(logits: torch.Tensor) -> torch.LongTensor:
+            noise = exponential_noise((batch, vocab), generator, device)
+            return race(processed_scores(logits, *sampling).softmax(dim=-1), noise)
+
+        def next_round() -> None:
+            if drafter is None:
+                return rounds.compiled(exponential_noise((batch, vocab), generator, device), *sampling)
+            gamma = width - 1
+            noise = exponential_noise((batch, gamma, vocab), generator, device)
+            drafts, probs, logits, features = rounds.compiled(noise, *sampling)
+            seeds = torch.randint(-(2**62), 2**62, (batch,), generator=generator, device=device)
+            result = verify(drafts.reshape(-1), torch.full((batch,), gamma, device=device), logits.reshape(-1, vocab),
+                            probs.reshape(-1, vocab), do_sample=True, temperature=temperature, top_k=top_k,
+                            top_p=top_p, seeds=seeds, max_draft_len=gamma)
+            rounds.advance(result.num_accepted, result.output_tokens, features)
+
+    rounds.prefill(input_ids, attention_mask, choose)
     first = rounds.record[:, 1].tolist()
     outputs = [[token] for token in first]
     done = [token in eos_ids or max_new_tokens == 1 for token in first]
     stats = [DSparkStats() for _ in outputs]
-    for row in range(len(outputs)):
+    for row in range(batch):
         if done[row]:
             rounds.active[row] = 0
     while not all(done):
         with rounds.tap if rounds.tap is not None else torch.no_grad():
-            rounds.compiled()
+            next_round()
         for row, (accepted, *tokens) in enumerate(rounds.record.tolist()):  # the round's one synchronisation
             if done[row]:
                 continue
@@ -268,7 +343,7 @@ def static_generate_batch(
             end = next((i for i, token in enumerate(emitted) if token in eos_ids), len(emitted) - 1)
             emitted = emitted[: min(end + 1, max_new_tokens - len(outputs[row]))]
             outputs[row] += emitted
-            stats[row].drafted.append(rounds.width - 1)
+            stats[row].drafted.append(width - 1)
             stats[row].accepted.append(accepted)
             stats[row].committed.append(len(emitted))
             if emitted[-1] in eos_ids or len(outputs[row]) >= max_new_tokens:
