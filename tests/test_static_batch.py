@@ -225,3 +225,8 @@ def test_bad_calls_are_refused(target):
         static_generate_batch(target, None, torch.tensor([[5, 6]]), torch.tensor([[0, 0]]), 4)
     with pytest.raises(ValueError, match="full-attention"):
         static_generate_batch(tiny_gemma4_target(), None, torch.tensor([[5, 6]]), None, 4)
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        static_generate_batch(target, None, torch.tensor([[5, 6]]), None, 4, do_sample=True, temperature=0)
+    meta = tiny_drafter(target, block_size=5, seed=3).to("meta")  # any device other than the target's
+    with pytest.raises(ValueError, match="one device"):
+        static_generate_batch(target, meta, torch.tensor([[5, 6]]), None, 4)

@@ -126,6 +126,9 @@ class StaticBatchRounds:
         if drafter is not None:
             check_drafter_fits_target(drafter.config, target)
             drafter.share_target_weights(target)
+            if drafter.device != device:
+                raise ValueError(f"static_generate_batch() runs drafter and target in one graph on one device; the "
+                                 f"drafter is on {drafter.device}, the target on {device}. Move the drafter there.")
             self.tap = TargetLayerTap(target, drafter.config.target_layer_ids)
             self.drafter_cache = RowStaticCache(drafter.config.num_hidden_layers, capacity, batch_size, device)
             self.width = drafter.config.num_draft_slots + 1
