@@ -45,9 +45,8 @@ plain greedy continuation has no eos, left-padded, repeated when fewer exist):
 
 Not measured, with the reason also in each entry's `not_measured` (method -> reason):
 - at batch > 1: transformers' assisted generation and prompt lookup (its `_assisted_decoding` raises for batch > 1);
-  batched
-  `generate(assistant_model=drafter)` is not timed separately (dspark_hf routes it to the decoding core the engine
-  runs, `SpeculativeRows`);
+  batched `generate(assistant_model=drafter)` is not timed separately (dspark_hf routes it to the decoding core the
+  engine runs, `SpeculativeRows`);
 - `dflash_native`, transformers' DFlash path (`speculation_type="dflash"`, `DFlashTokenCandidateGenerator`),
   with our `drafters/code50m-dflash`. That generator calls `assistant_model(noise_embeds=, context_hidden_states=,
   position_ids=<context + block>, attention_mask=, past_key_values=DFlashCache)`, keeps the block's K/V in the cache
@@ -132,13 +131,11 @@ def not_measured(name: str, batch: int) -> dict[str, str]:
             skipped["dflash_native"] = "no DFlash drafter for a random shape (and see code50m's reason)"
         return skipped
     hf_batch_1 = "batch 1 only: transformers' _assisted_decoding raises for batch_size > 1"
-    skipped = {}
-    skipped.update({"prompt_lookup": hf_batch_1,
-               "dspark_generate": "not timed separately: dspark_hf routes batched generate(assistant_model=drafter) "
-                                  "to SpeculativeRows, the decoding core dspark_engine runs",
-               "dflash_native": "batch 1 only (transformers' assisted loop); see the batch-1 entry"})
-    skipped["assisted_10m"] = hf_batch_1 if name == "code50m" else "no assistant for a random shape"
-    return skipped
+    return {"prompt_lookup": hf_batch_1,
+            "dspark_generate": "not timed separately: dspark_hf routes batched generate(assistant_model=drafter) to "
+                               "SpeculativeRows, the decoding core dspark_engine runs",
+            "dflash_native": "batch 1 only (transformers' assisted loop); see the batch-1 entry",
+            "assisted_10m": hf_batch_1 if name == "code50m" else "no assistant for a random shape"}
 
 
 def shape_config(name: str):
@@ -376,6 +373,7 @@ def measure_batch(target, drafter, prompts: list[list[int]], new_tokens: int) ->
         "dspark_engine": engine_method(DSparkEngine(target, drafter, max_batch_size=batch, policy="fixed", seed=0)),
         "engine_no_spec": engine_method(DSparkEngine(target, None, max_batch_size=batch, policy="none", seed=0)),
     }
+
     def static_batch(model, compile: bool):
         return lambda: torch.tensor(static_generate_batch(target, model, ids, mask, new_tokens, eos_token_id=[],
                                                           compile=compile and device.type == "cuda"), device=device)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 from transformers import PreTrainedModel
@@ -170,7 +171,7 @@ class StaticBatchRounds:
         device = self.target.device
         self.pad.copy_((attention_mask == 0).sum(dim=1).to(device))
         start = torch.zeros_like(self.pad)
-        with self.tap if self.tap is not None else torch.no_grad():
+        with self.tap if self.tap is not None else nullcontext():
             logits, features = self._target_forward(input_ids.to(device), start)
         self.anchor.copy_(choose(logits[:, -1]))
         self.column.fill_(input_ids.shape[1])
@@ -337,7 +338,7 @@ def static_generate_batch(
         if done[row]:
             rounds.active[row] = 0
     while not all(done):
-        with rounds.tap if rounds.tap is not None else torch.no_grad():
+        with rounds.tap if rounds.tap is not None else nullcontext():
             next_round()
         for row, (accepted, *tokens) in enumerate(rounds.record.tolist()):  # the round's one synchronisation
             if done[row]:
