@@ -127,7 +127,8 @@ def test_eos_ends_each_row_where_plain_decoding_does():
 @pytest.mark.parametrize("with_drafter", [True, False], ids=["dspark", "plain"])
 def test_compiled_round_is_one_graph_with_the_same_rows(target, with_drafter):
     """fullgraph=True: drafter, Markov loop, target forward, acceptance and the per-row bookkeeping trace without a
-    graph break, once for two whole generations (one shape: what CUDA-graph capture needs)."""
+    graph break, once for two whole generations of 4 and 3 rows (the batch is padded to a power of two: one shape,
+    what CUDA-graph capture needs)."""
     drafter = install_bigram_oracle(tiny_drafter(target, block_size=5, markov_rank=VOCAB_SIZE), target, scale=3.0)
     drafter = drafter if with_drafter else None
     compilations, backend = counting_backend()
@@ -138,7 +139,8 @@ def test_compiled_round_is_one_graph_with_the_same_rows(target, with_drafter):
     rows = static_generate_batch(target, drafter, ids, mask, 20, compile=options)
     assert rows == [solo(target, prompt, 20) for prompt in prompts]
     kept = StaticBatchRounds.for_models(target, drafter, len(prompts), 1, options)
-    other = [prompt[::-1] + [5] for prompt in prompts]  # a second call, other prompts: the kept round, no recompile
+    # a second call with three other prompts: padded to the same batch of 4, the kept round, no recompilation
+    other = [prompt[::-1] + [5] for prompt in prompts[:3]]
     ids, mask = left_padded(other)
     assert static_generate_batch(target, drafter, ids, mask, 12, compile=options) == [solo(target, p, 12)
                                                                                        for p in other]
@@ -160,7 +162,7 @@ def test_inductor_keeps_each_rows_state_consistent():
     options = dict(backend="inductor", fullgraph=True, dynamic=False)
     assert static_generate_batch(target, drafter, ids, mask, 16, eos_token_id=[], compile=options) == eager
     assert [row.accepted for row in drafter.generation_stats.rows] == accepted
-    rounds = StaticBatchRounds.for_models(target, drafter, len(prompts), 1, options)
+    rounds = StaticBatchRounds._kept[drafter]  # (a batch of 4: the 3 rows and a spare one)
     last = rounds.record[:, 0] + 1
     moved = (rounds.column - rounds.context_column).tolist()
     assert all(m in (0, n) for m, n in zip(moved, last.tolist()))

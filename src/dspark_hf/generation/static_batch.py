@@ -12,7 +12,8 @@ every round is the same function of the same shapes:
   mask hides the rest), runs the Markov loop, the target's forward over [anchor, γ drafts] of every row, the
   acceptance, and moves each row's write positions past its accepted tokens;
 - the rows' state lives in device buffers updated in place, so `compile=True` can capture a round as one CUDA graph
-  (`torch.compile(mode="reduce-overhead")`); the host reads one record per round (one synchronisation).
+  (`torch.compile(mode="reduce-overhead")`), one per power-of-two batch bucket; the host reads one record per round
+  (one synchronisation).
 
 Greedy acceptance runs inside the round. Sampling (temperature / top-k / top-p, the same for every row) draws drafts
 by the exponential race on noise drawn before the round, so no generator runs inside it, and verifies them with
@@ -283,8 +284,10 @@ def static_generate_batch(
     (`do_sample`, with `temperature` / `top_k` / `top_p` for every row) draws drafts by the exponential race on noise
     drawn before each round and verifies them with `dspark_hf.verify` after it; `seed` seeds both. `compile`: True
     for `torch.compile(mode="reduce-overhead", dynamic=False)` of the round, or a dict of `torch.compile` options.
-    Per-row round statistics go to `drafter.generation_stats` (a `BatchedDSparkStats`). Caches and the compiled
-    round are kept for the next call of the same batch size (`StaticBatchRounds.for_models`)."""
+    Per-row round statistics go to `drafter.generation_stats` (a `BatchedDSparkStats`). Compiled, the batch is
+    padded to the next power of two with copies of the first row that stop at once, so that a graph is captured
+    per batch bucket; the rows' draws do not depend on that padding. Caches and the compiled round are kept for the
+    next call of the same (padded) batch size (`StaticBatchRounds.for_models`)."""
     if input_ids.dim() != 2:
         raise ValueError(f"static_generate_batch() takes left-padded prompts [B, W]; got {tuple(input_ids.shape)}.")
     if max_new_tokens < 1:
@@ -300,6 +303,11 @@ def static_generate_batch(
         extra = width + 1 - input_ids.shape[1]
         input_ids = torch.nn.functional.pad(input_ids, (extra, 0))
         attention_mask = torch.nn.functional.pad(attention_mask, (extra, 0))
+    rows = input_ids.shape[0]
+    if compile:  # one graph per power-of-two batch: spare rows copy the first one and stop at once
+        spare = (1 << (rows - 1).bit_length()) - rows
+        input_ids = torch.cat([input_ids, input_ids[:1].expand(spare, -1)])
+        attention_mask = torch.cat([attention_mask, attention_mask[:1].expand(spare, -1)])
     batch, capacity = input_ids.shape[0], input_ids.shape[1] + max_new_tokens + 2 * width
     rounds = StaticBatchRounds.for_models(target, drafter, batch, capacity, compile, do_sample)
     eos = target.generation_config.eos_token_id if eos_token_id is None else eos_token_id
@@ -313,17 +321,21 @@ def static_generate_batch(
                     None if top_k is None else torch.full((batch,), top_k, device=device),
                     None if top_p is None else torch.full((batch,), float(top_p), device=device))
 
+        def noise(*shape: int) -> torch.Tensor:
+            """Exp(1) noise for the real rows, then ones for the spare rows (their draws are dropped)."""
+            drawn = exponential_noise((rows, *shape), generator, device)
+            return torch.cat([drawn, drawn.new_ones(batch - rows, *shape)])
+
         def choose(logits: torch.Tensor) -> torch.LongTensor:
-            noise = exponential_noise((batch, vocab), generator, device)
-            return race(processed_scores(logits, *sampling).softmax(dim=-1), noise)
+            return race(processed_scores(logits, *sampling).softmax(dim=-1), noise(vocab))
 
         def next_round() -> None:
             if drafter is None:
-                return rounds.compiled(exponential_noise((batch, vocab), generator, device), *sampling)
+                return rounds.compiled(noise(vocab), *sampling)
             gamma = width - 1
-            noise = exponential_noise((batch, gamma, vocab), generator, device)
-            drafts, probs, logits, features = rounds.compiled(noise, *sampling)
-            seeds = torch.randint(-(2**62), 2**62, (batch,), generator=generator, device=device)
+            drafts, probs, logits, features = rounds.compiled(noise(gamma, vocab), *sampling)
+            seeds = torch.randint(-(2**62), 2**62, (rows,), generator=generator, device=device)
+            seeds = torch.cat([seeds, seeds.new_zeros(batch - rows)])
             result = verify(drafts.reshape(-1), torch.full((batch,), gamma, device=device), logits.reshape(-1, vocab),
                             probs.reshape(-1, vocab), do_sample=True, temperature=temperature, top_k=top_k,
                             top_p=top_p, seeds=seeds, max_draft_len=gamma)
@@ -332,7 +344,7 @@ def static_generate_batch(
     rounds.prefill(input_ids, attention_mask, choose)
     first = rounds.record[:, 1].tolist()
     outputs = [[token] for token in first]
-    done = [token in eos_ids or max_new_tokens == 1 for token in first]
+    done = [row >= rows or token in eos_ids or max_new_tokens == 1 for row, token in enumerate(first)]
     stats = [DSparkStats() for _ in outputs]
     for row in range(batch):
         if done[row]:
@@ -354,5 +366,5 @@ def static_generate_batch(
                 done[row] = True
                 rounds.active[row] = 0
     if drafter is not None:
-        drafter.generation_stats = BatchedDSparkStats(stats)
-    return outputs
+        drafter.generation_stats = BatchedDSparkStats(stats[:rows])
+    return outputs[:rows]
