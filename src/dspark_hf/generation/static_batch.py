@@ -42,7 +42,7 @@ from ..verify.reference import processed_scores
 from .batched import BatchedDSparkStats
 from .candidate_generator import DSparkStats
 from .speculative_rows import check_batchable_target
-from .static_loop import exponential_noise, race
+from .static_loop import commit, exponential_noise, race
 from .target_features import check_drafter_fits_target
 
 
@@ -355,14 +355,12 @@ def static_generate_batch(
         for row, (accepted, *tokens) in enumerate(rounds.record.tolist()):  # the round's one synchronisation
             if done[row]:
                 continue
-            emitted = tokens[: accepted + 1]
-            end = next((i for i, token in enumerate(emitted) if token in eos_ids), len(emitted) - 1)
-            emitted = emitted[: min(end + 1, max_new_tokens - len(outputs[row]))]
-            outputs[row] += emitted
+            before = len(outputs[row])
+            ended = commit(outputs[row], tokens[: min(accepted + 1, max_new_tokens - before)], eos_ids)
             stats[row].drafted.append(width - 1)
             stats[row].accepted.append(accepted)
-            stats[row].committed.append(len(emitted))
-            if emitted[-1] in eos_ids or len(outputs[row]) >= max_new_tokens:
+            stats[row].committed.append(len(outputs[row]) - before)
+            if ended or len(outputs[row]) >= max_new_tokens:
                 done[row] = True
                 rounds.active[row] = 0
     if drafter is not None:
