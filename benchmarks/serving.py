@@ -73,6 +73,8 @@ CONCURRENCY = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 STATIC = ("fixed_1", "fixed_3", "fixed_7", "static_threshold")
 QWEN3_MASK_TOKEN_ID = 151669
 TRACE = RESULTS / "serving_trace_code50m.json"
+# the hardware-aware policy's SPS table is profiled at these sizes (real models)
+SPS_PROFILE = dict(batch_tokens=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048), context_length=256, repeats=5)
 GUARD = SpeculationGuard()  # the hardware-aware engines' guard: one for the whole run, like a long-running server
 
 
@@ -239,6 +241,11 @@ def make_engine(target, drafter, concurrency: int, setting: dict, sps_table, **o
         kwargs.setdefault("speculation_guard", GUARD)
     return DSparkEngine(target, drafter if kwargs.get("policy") != "none" else None, max_batch_size=concurrency,
                         seed=0, **kwargs)
+
+
+def warm_up_args(args: argparse.Namespace) -> argparse.Namespace:
+    """A cell's arguments for its warm-up run: 8 new tokens per request."""
+    return argparse.Namespace(**{**vars(args), "max_new_tokens": 8})
 
 
 def request_lengths(count: int, args) -> list[int]:
@@ -503,14 +510,14 @@ def main() -> None:
     else:
         target, drafter, prompts = load_models(args.model, getattr(torch, args.dtype), args.device)
         out = Path(args.out) if args.out else RESULTS / "serving_h200.json"
-        table = dict(batch_tokens=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048), context_length=256, repeats=5)
+        table = SPS_PROFILE
         if args.model == "qwen3-4b-shape":
             trace = AcceptanceTrace.load(TRACE)
     with torch.inference_mode():
         sps_table = SPSTable.profile(target, model_name=args.model, progress=False, **table)
     gamma_max = drafter.config.num_draft_slots
 
-    warm_up = argparse.Namespace(**{**vars(args), "max_new_tokens": 8})
+    warm_up = warm_up_args(args)
     results: dict[str, list[dict]] = {}
     recorded: list[AcceptanceTrace] = []
     breakdown, paged = [], []

@@ -49,6 +49,9 @@ SETTINGS = {"nospec": dict(policy="none"), "fixed7": dict(policy="fixed", gamma=
             "ha_plain": dict(policy="hardware_aware")}
 
 
+CELL = argparse.Namespace(max_new_tokens=64, requests_per_slot=2, length_spread=0.5)  # 32-96 new tokens, 2c requests
+
+
 class NeverDraft(SpeculationGuard):
     """A guard that runs every round plain."""
 
@@ -117,7 +120,7 @@ def host_phases(out: str, device: str) -> None:
 
 def plain_rounds(concurrency: int, device: str) -> None:
     target, drafter, prompts = serving.load_models("code50m", torch.bfloat16, device)
-    args = argparse.Namespace(max_new_tokens=64, requests_per_slot=2, length_spread=0.5)  # 32-96 new tokens
+    args = CELL
 
     def run(kind: str, cell_args, profile: cProfile.Profile | None = None) -> None:
         seconds, log = cell(make_engine(kind, target, drafter, concurrency), prompts, concurrency, cell_args, profile)
@@ -125,7 +128,7 @@ def plain_rounds(concurrency: int, device: str) -> None:
               f"width {statistics.fmean(entry['width'] for entry in log):.0f}", flush=True)
 
     for kind in ("nospec", "ha_plain"):  # warm-up, as the benchmark's: 8 new tokens
-        run(kind, argparse.Namespace(**{**vars(args), "max_new_tokens": 8}))
+        run(kind, serving.warm_up_args(args))
     for kind in ("nospec", "ha_plain") * 2:
         run(kind, args)
     for kind in ("nospec", "ha_plain"):
@@ -141,10 +144,8 @@ def plain_rounds(concurrency: int, device: str) -> None:
 def round_logs(out: str, concurrencies: list[int], device: str) -> None:
     target, drafter, prompts = serving.load_models("code50m", torch.bfloat16, device)
     with torch.inference_mode():
-        sps_table = SPSTable.profile(target, model_name="code50m", progress=False, context_length=256, repeats=5,
-                                     batch_tokens=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048))
-    args = argparse.Namespace(max_new_tokens=64, requests_per_slot=2, length_spread=0.5)
-    warm_up = argparse.Namespace(**{**vars(args), "max_new_tokens": 8})
+        sps_table = SPSTable.profile(target, model_name="code50m", progress=False, **serving.SPS_PROFILE)
+    args, warm_up = CELL, serving.warm_up_args(CELL)
     settings = {name: setting for name, setting in serving.policies(0.5, drafter.config.num_draft_slots).items()
                 if name in ("no_spec", "fixed_7", "hardware_aware")}
     settings["ha_plain"] = dict(settings["hardware_aware"], speculation_guard=NeverDraft())
