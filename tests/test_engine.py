@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 from test_generation_sampling import ALPHA, NEW_TOKENS, VOCAB, chi_square_p_value, exact_distribution, oracle_drafter
+from test_static_batch import reference_drafts
 from tiny_models import install_bigram_oracle, make_bigram_like, tiny_drafter, tiny_target
 from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import WordLevel
@@ -117,6 +118,38 @@ def test_random_arrivals_and_cancellations(models):
     lengths = {n for entry in engine.round_log for n in entry["accepted"]}
     assert len(lengths) > 2  # requests accepted different lengths
     assert any(len(set(entry["accepted"])) > 1 for entry in engine.round_log)  # ... within one round
+
+
+def test_each_request_drafts_from_exactly_its_committed_context(models):
+    """Output equality cannot see the drafter's context. Requests join a running batch at different rounds (their
+    prompt features go into the drafter cache at admission, in another column layout than the running rows'); each
+    draft must equal the drafter's proposal given the request's whole committed context at once."""
+    target, oracle = models
+    for drafter in (tiny_drafter(target, block_size=5, seed=3), oracle):  # the oracle accepts: rows move apart
+        engine = DSparkEngine(target, drafter, max_batch_size=4, max_model_len=64, policy="fixed",
+                              default_sampling={"temperature": 0, "max_tokens": 14})
+        drafts = []  # (committed context, anchor, drafted tokens) per row and round
+        original = drafter.draft
+
+        def recording_draft(anchor_ids, *args, **kwargs):
+            proposal = original(anchor_ids, *args, **kwargs)
+            drafts.extend((row.ids[:-1], row.ids[-1], tokens)
+                          for row, tokens in zip(engine.runner.rows, proposal.tokens.tolist()))
+            return proposal
+
+        drafter.draft = recording_draft
+        try:
+            rng = random.Random(5)
+            arrivals = {0: 2, 2: 1, 3: 2, 6: 1, 9: 2}  # round -> requests joining; widths differ in both directions
+            for round_index in range(40):
+                for _ in range(arrivals.get(round_index, 0)):
+                    engine.add_request([rng.randrange(4, VOCAB_SIZE) for _ in range(rng.randint(1, 20))])
+                engine.step()
+        finally:
+            del drafter.draft  # the class method again
+        assert not engine.has_unfinished() and len(drafts) > 30
+        for context, anchor, tokens in drafts:
+            assert tokens == reference_drafts(target, drafter, context, anchor)[: len(tokens)]
 
 
 @pytest.mark.parametrize("policy,kwargs", [
