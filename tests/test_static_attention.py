@@ -13,7 +13,7 @@ import torch  # noqa: E402
 from tiny_models import install_bigram_oracle, make_bigram_like, tiny_drafter, tiny_target  # noqa: E402
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 
-from dspark_hf.generation import static_attention, static_generate  # noqa: E402
+from dspark_hf.generation import static_attention, static_generate, static_generate_batch  # noqa: E402
 from dspark_hf.generation.static_attention import static_cache_attention  # noqa: E402
 
 
@@ -97,6 +97,29 @@ def test_static_generate_with_the_kernel_gives_the_same_tokens(monkeypatch):
         expected = static_generate(target, model, ids, 20, attention="model")
         assert not launches
         assert torch.equal(static_generate(target, model, ids, 20, attention="static_kernel"), expected)
+        assert launches  # the target's decoding steps (and the drafter's block) ran the kernel
+        launches.clear()
+    assert target.config._attn_implementation == "sdpa" and drafter.config._attn_implementation == "sdpa"
+
+
+@interp
+def test_static_generate_batch_with_the_kernel_and_fused_projections_gives_the_same_tokens(monkeypatch):
+    """Left-padded rows of different lengths: each row's additive mask (its own padding and write position) reaches
+    the kernel, and the fast path's kernels change no row's tokens. (A random target: its tokens depend on every
+    visible column, so a mask the kernel got wrong would show.)"""
+    target = tiny_target("qwen3", vocab_size=48, eos_token_id=2, head_dim=16)
+    drafter = tiny_drafter(target, block_size=5, head_dim=16)
+    launches = []
+    monkeypatch.setattr(static_attention, "_attend_slice", _Counting(static_attention._attend_slice, launches))
+    prompts = [[5, 9, 11, 4, 30, 8, 7, 12], [6, 13], [20, 21, 22, 23, 24]]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    for model in (None, drafter):
+        expected = static_generate_batch(target, model, ids, mask, 16, attention="model", fuse_projections=False)
+        assert not launches
+        got = static_generate_batch(target, model, ids, mask, 16, attention="static_kernel", fuse_projections=True)
+        assert got == expected
         assert launches  # the target's decoding steps (and the drafter's block) ran the kernel
         launches.clear()
     assert target.config._attn_implementation == "sdpa" and drafter.config._attn_implementation == "sdpa"

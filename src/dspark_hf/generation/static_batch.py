@@ -42,7 +42,7 @@ from ..verify.reference import processed_scores
 from .batched import BatchedDSparkStats
 from .candidate_generator import DSparkStats
 from .speculative_rows import check_batchable_target
-from .static_loop import commit, exponential_noise, race
+from .static_loop import commit, exponential_noise, fast_kernels, race
 from .target_features import check_drafter_fits_target
 
 
@@ -278,6 +278,8 @@ def static_generate_batch(
     eos_token_id: int | list[int] | None = None,
     compile: bool | dict = False,
     seed: int | None = None,
+    attention: str = "auto",
+    fuse_projections: bool | None = None,
 ) -> list[list[int]]:
     """Left-padded prompts [B, W] (`attention_mask` 1 on real tokens; None: no padding) -> each row's new tokens
     (at most `max_new_tokens`, up to and including its first eos). `drafter=None` decodes plainly. Sampling
@@ -287,7 +289,9 @@ def static_generate_batch(
     Per-row round statistics go to `drafter.generation_stats` (a `BatchedDSparkStats`). Compiled, the batch is
     padded to the next power of two with copies of the first row that stop at once, so that a graph is captured
     per batch bucket; the rows' draws do not depend on that padding. Caches and the compiled round are kept for the
-    next call of the same (padded) batch size (`StaticBatchRounds.for_models`)."""
+    next call of the same (padded) batch size (`StaticBatchRounds.for_models`). `attention` and `fuse_projections`
+    as in `static_generate` (on CUDA by default: the static-cache Triton kernel, which takes each row's mask, and
+    fused projections)."""
     if input_ids.dim() != 2:
         raise ValueError(f"static_generate_batch() takes left-padded prompts [B, W]; got {tuple(input_ids.shape)}.")
     if max_new_tokens < 1:
@@ -309,7 +313,18 @@ def static_generate_batch(
         input_ids = torch.cat([input_ids, input_ids[:1].expand(spare, -1)])
         attention_mask = torch.cat([attention_mask, attention_mask[:1].expand(spare, -1)])
     batch, capacity = input_ids.shape[0], input_ids.shape[1] + max_new_tokens + 2 * width
-    rounds = StaticBatchRounds.for_models(target, drafter, batch, capacity, compile, do_sample)
+    build = lambda: StaticBatchRounds.for_models(target, drafter, batch, capacity, compile, do_sample)  # noqa: E731
+    with fast_kernels(target, drafter, attention, fuse_projections, build) as rounds:
+        return _decode_rows(rounds, input_ids, attention_mask, rows, max_new_tokens, do_sample, temperature, top_k,
+                            top_p, eos_token_id, seed)
+
+
+def _decode_rows(rounds: StaticBatchRounds, input_ids: torch.LongTensor, attention_mask: torch.Tensor, rows: int,
+                 max_new_tokens: int, do_sample: bool, temperature: float, top_k: int | None, top_p: float | None,
+                 eos_token_id: int | list[int] | None, seed: int | None) -> list[list[int]]:
+    """`static_generate_batch`'s decoding loop over the (padded) batch of `rounds` (its first `rows` are real)."""
+    target, drafter = rounds.target, rounds.drafter
+    batch, width = input_ids.shape[0], rounds.width
     eos = target.generation_config.eos_token_id if eos_token_id is None else eos_token_id
     eos_ids = set([eos] if isinstance(eos, int) else (eos or []))
     device, vocab = target.device, target.config.get_text_config().vocab_size

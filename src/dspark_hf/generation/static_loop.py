@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
+from typing import TypeVar
 
 import torch
 from transformers import (
@@ -55,6 +56,8 @@ from .policy import resolve_max_drafts, resolve_policy
 from .stateful import check_own_loop_supported
 from .static_attention import using_static_attention
 from .target_features import check_drafter_fits_target
+
+R = TypeVar("R")
 
 
 def rewind(cache: StaticCache, length: torch.Tensor) -> None:
@@ -293,18 +296,11 @@ def exponential_noise(shape: tuple[int, ...], generator: torch.Generator, device
 
 
 @contextmanager
-def fast_path(target: PreTrainedModel, drafter: DSparkDraftModel | None, max_length: int, compile: bool | dict,
-              do_sample: bool, attention: str = "auto", fuse_projections: bool | None = None) -> Iterator[StaticRound]:
-    """The fast path's set-up, shared by `static_generate` and `profile_static_round`: checks the models, picks the
-    attention (`attention`) and projection fusion (`fuse_projections`) as `static_generate` documents, and yields the
-    (kept) `StaticRound` for `max_length` positions with both in effect."""
-    if drafter is not None:
-        check_drafter_fits_target(drafter.config, target)
-        drafter.share_target_weights(target)
-        if drafter.device != target.device:
-            raise ValueError(f"static_generate() runs drafter and target in one graph on one device; the drafter is on "
-                             f"{drafter.device}, the target on {target.device}. Move the drafter there, or use "
-                             "generate() without cache_implementation='static'.")
+def fast_kernels(target: PreTrainedModel, drafter: DSparkDraftModel | None, attention: str,
+                 fuse_projections: bool | None, build: Callable[[], R]) -> Iterator[R]:
+    """The fast paths' kernels, shared by `static_generate`, `static_generate_batch` and `profile_static_round`:
+    picks the attention (`attention`) and projection fusion (`fuse_projections`) as `static_generate` documents, and
+    yields `build()` (the paths' kept caches and round) with both in effect."""
     if attention not in ATTENTION_CHOICES:
         raise ValueError(f"attention must be one of {ATTENTION_CHOICES}, got {attention!r}.")
     if attention == "static_kernel" and not triton_available(target.device):
@@ -315,11 +311,28 @@ def fast_path(target: PreTrainedModel, drafter: DSparkDraftModel | None, max_len
         fuse_projections = target.device.type == "cuda"
     with (using_static_attention(target, drafter) if kernel else nullcontext(),
           fused_projections.projection_fusion() if fuse_projections else nullcontext()):
-        rounds = StaticRound.for_models(target, drafter, max_length, compile, do_sample)
+        built = build()
         if fuse_projections:  # (after the caches are accepted: a refused model is left as it was)
             for model in (target, drafter):
                 if model is not None:
                     fused_projections.fuse_projections(model)
+        yield built
+
+
+@contextmanager
+def fast_path(target: PreTrainedModel, drafter: DSparkDraftModel | None, max_length: int, compile: bool | dict,
+              do_sample: bool, attention: str = "auto", fuse_projections: bool | None = None) -> Iterator[StaticRound]:
+    """`static_generate`'s set-up, shared with `profile_static_round`: checks the models and yields the (kept)
+    `StaticRound` for `max_length` positions under `fast_kernels`."""
+    if drafter is not None:
+        check_drafter_fits_target(drafter.config, target)
+        drafter.share_target_weights(target)
+        if drafter.device != target.device:
+            raise ValueError(f"static_generate() runs drafter and target in one graph on one device; the drafter is on "
+                             f"{drafter.device}, the target on {target.device}. Move the drafter there, or use "
+                             "generate() without cache_implementation='static'.")
+    build = lambda: StaticRound.for_models(target, drafter, max_length, compile, do_sample)  # noqa: E731
+    with fast_kernels(target, drafter, attention, fuse_projections, build) as rounds:
         yield rounds
 
 
