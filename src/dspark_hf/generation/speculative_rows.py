@@ -26,7 +26,6 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache
 
 from ..calibration import apply_sts
-from ..devices import synchronize
 from ..models import DSparkDraftModel, TargetLayerTap
 from ..scheduling import SchedulerPolicy, SpeculationGuard
 from ..verify import VerifyResult
@@ -159,28 +158,13 @@ class SpeculativeRows:
         for row, token in zip(rows, first.tolist()):
             row.ids.append(token)
             committed.append([token])
-        if self.speculate:
-            self._cache_context(state)
-        else:
+        if not self.speculate:
             state.take_pending()
         if self.state is None:
             self.state, self.rows = state, list(rows)
         else:
             self.state, self.rows = RaggedBatch.concat(self.state, state), self.rows + list(rows)
-        if self.guard is not None:  # the guard times the next round: let it start on an idle device
-            synchronize(self.device)
         return committed
-
-    def _cache_context(self, state: RaggedBatch) -> None:
-        """Writes the admitted rows' prompt features into their drafter cache now, so that the batch they join keeps
-        only its own few pending columns (otherwise every row's pending part would be padded to the widest prompt
-        and the next draft would run over [B, prompt width]). One drafter forward with a one-token block: only the
-        context K/V are kept; the block's output is discarded, so its mask and token do not matter."""
-        features, positions = state.take_pending()
-        device = self.drafter.device
-        self.drafter(input_ids=state.anchor.to(device)[:, None], target_hidden_states=features.to(device),
-                     past_key_values=state.drafter_cache, context_position_ids=positions.to(device),
-                     position_ids=state.next_pos.to(device)[:, None])
 
     def remove(self, rows: list[Row]) -> None:
         """Drops finished or cancelled rows (their cache columns go with them)."""
