@@ -232,3 +232,36 @@ def test_bad_calls_are_refused(target):
     meta = tiny_drafter(target, block_size=5, seed=3).to("meta")  # any device other than the target's
     with pytest.raises(ValueError, match="one device"):
         static_generate_batch(target, meta, torch.tensor([[5, 6]]), None, 4)
+
+
+def test_batched_generate_with_a_static_cache_runs_the_batch_fast_path(monkeypatch):
+    """`generate(assistant_model=drafter, cache_implementation="static")` at batch > 1 decodes every left-padded row
+    with `static_generate_batch`, exactly as plain greedy decoding (rows padded after their eos as plain batched
+    generate() pads them), and passes it the call's sampling settings; what the fast path cannot do is refused."""
+    from dspark_hf.generation import static_batch
+
+    calls = []
+    original = static_batch.static_generate_batch
+    monkeypatch.setattr(static_batch, "static_generate_batch",
+                        lambda *args, **kwargs: calls.append(kwargs) or original(*args, **kwargs))
+    target = make_bigram_like(tiny_target("qwen3", vocab_size=VOCAB_SIZE, eos_token_id=EOS))
+    drafter = install_bigram_oracle(tiny_drafter(target, block_size=5, markov_rank=VOCAB_SIZE), target)
+    prompts = [[9, 11, last] for last in range(4, 16)] + [[5, 30, 7, 12, 8, 21, 40]]
+    continuations = [solo(target, prompt, 30) for prompt in prompts]
+    eos = next(token for token in range(3, VOCAB_SIZE)  # one that ends some rows early and not others
+               if any(token in row[2:] and token not in row[:2] for row in continuations)
+               and any(token not in row for row in continuations))
+    ids, mask = left_padded(prompts)
+    stops = dict(max_new_tokens=30, do_sample=False, eos_token_id=eos, pad_token_id=1)
+    out = target.generate(ids, attention_mask=mask, assistant_model=drafter, cache_implementation="static", **stops)
+    assert torch.equal(out, target.generate(ids, attention_mask=mask, **stops))
+    ended = (out[:, ids.shape[1]:] == eos).any(dim=1)
+    assert 0 < int(ended.sum()) < len(prompts) and (out == 1).any() and len(calls) == 1
+    torch.manual_seed(0)
+    target.generate(ids, attention_mask=mask, assistant_model=drafter, cache_implementation="static",
+                    max_new_tokens=8, do_sample=True, temperature=0.7, top_k=9)
+    assert {k: calls[-1][k] for k in ("do_sample", "temperature", "top_k", "eos_token_id", "compile")} == dict(
+        do_sample=True, temperature=pytest.approx(0.7), top_k=9, eos_token_id=[EOS], compile=False)
+    with pytest.raises(ValueError, match="RepetitionPenaltyLogitsProcessor"):
+        target.generate(ids, attention_mask=mask, assistant_model=drafter, cache_implementation="static",
+                        max_new_tokens=8, repetition_penalty=1.2)

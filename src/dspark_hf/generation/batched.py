@@ -149,6 +149,25 @@ def stop_index(row: Row, start: int, criteria: StoppingCriteriaList, ids_of) -> 
     return None
 
 
+def padding_token(generation_config: GenerationConfig) -> int:
+    """The token plain batched `generate()` fills finished rows with: the pad token, else the (smallest) eos."""
+    pad = getattr(generation_config, "_pad_token_tensor", None)
+    if pad is not None:
+        return int(pad.reshape(-1)[0])
+    eos = getattr(generation_config, "_eos_token_tensor", None)
+    return int(eos.reshape(-1).min()) if eos is not None and eos.numel() else 0
+
+
+def append_rows(input_ids: torch.LongTensor, generated: list[list[int]], pad_id: int) -> torch.LongTensor:
+    """The prompts [B, W] followed by each row's generated tokens, `pad_id` after a row's end (as plain batched
+    `generate()` returns them)."""
+    longest = max(map(len, generated))
+    tail = torch.full((len(generated), longest), pad_id, dtype=input_ids.dtype, device=input_ids.device)
+    for row, tokens in enumerate(generated):
+        tail[row, : len(tokens)] = torch.tensor(tokens, dtype=input_ids.dtype)
+    return torch.cat([input_ids, tail], dim=1)
+
+
 def batched_generate(
     target: PreTrainedModel,
     drafter: DSparkDraftModel,
@@ -183,8 +202,7 @@ def batched_generate(
     attention_mask = attention_mask.bool()
     eos = getattr(generation_config, "_eos_token_tensor", None)
     stop_ids = frozenset(eos.reshape(-1).tolist()) if eos is not None else frozenset()
-    pad = getattr(generation_config, "_pad_token_tensor", None)
-    pad_id = int(pad.reshape(-1)[0]) if pad is not None else (min(stop_ids) if stop_ids else 0)
+    pad_id = padding_token(generation_config)
     max_new = generation_config.max_length - width
 
     rows = []
@@ -223,11 +241,7 @@ def batched_generate(
     drafter.generation_stats = BatchedDSparkStats([
         DSparkStats(drafted=row.drafted, accepted=row.accepted, committed=[a + 1 for a in row.accepted]) for row in rows
     ])
-    longest = max(len(tokens) for tokens in final.values())
-    generated = torch.full((batch, longest), pad_id, dtype=input_ids.dtype, device=input_ids.device)
-    for b, tokens in final.items():
-        generated[b, : len(tokens)] = torch.tensor(tokens, dtype=input_ids.dtype)
-    sequences = torch.cat([input_ids, generated], dim=1)
+    sequences = append_rows(input_ids, [final[b] for b in range(batch)], pad_id)
     if generation_config.return_dict_in_generate:
         return GenerateDecoderOnlyOutput(sequences=sequences)
     return sequences

@@ -9,7 +9,8 @@ private `GenerationMixin` methods, and only changes their behaviour when the ass
   `_assisted_decoding` loop runs, we only draft);
 - `_assisted_decoding` (the decoding method `generate()` looks up for assisted generation, after preparing the
   config, masks, processors and stopping criteria): for batch size > 1 it runs `batched.batched_generate`, our
-  own loop with per-row verify lengths (transformers' loop is batch-1 only); for a target flagged `_is_stateful`
+  own loop with per-row verify lengths (transformers' loop is batch-1 only), or with `cache_implementation="static"`
+  the batched fast path (`static_batch.static_assisted_decoding_batch`); for a target flagged `_is_stateful`
   (a cache that cannot be cropped) it runs `stateful.stateful_generate`; with `cache_implementation="static"` it
   runs the static-cache fast path (`static_loop.static_assisted_decoding`); otherwise it goes on to the original with
   a `TargetLayerTap` active around it (the candidate generator reads the target's hidden states from it).
@@ -149,20 +150,23 @@ def install() -> None:
             return _dspark_decoding(self, drafter, input_ids, *args, **kwargs)
 
     def _dspark_decoding(self, drafter, input_ids, *args, **kwargs):
+        config = kwargs.get("generation_config")
+        static = config is not None and config.cache_implementation == "static"
         if input_ids.shape[0] > 1:
             from .batched import batched_generate
+            from .static_batch import static_assisted_decoding_batch
 
             for name in ("assistant_model", "inputs_tensor", "assistant_tokenizer", "tokenizer"):
                 kwargs.pop(name, None)  # stop strings already are in the prepared stopping criteria
-            return batched_generate(self, drafter, input_ids, *args, **kwargs)
+            run = static_assisted_decoding_batch if static else batched_generate
+            return run(self, drafter, input_ids, *args, **kwargs)
         if self._is_stateful:
             from .stateful import stateful_generate
 
             for name in ("assistant_model", "inputs_tensor", "assistant_tokenizer"):
                 kwargs.pop(name, None)
             return stateful_generate(self, drafter, input_ids, *args, **kwargs)
-        config = kwargs.get("generation_config")
-        if config is not None and config.cache_implementation == "static":
+        if static:
             from .static_loop import static_assisted_decoding
 
             for name in ("assistant_model", "inputs_tensor", "assistant_tokenizer", "tokenizer"):

@@ -31,18 +31,20 @@ from collections.abc import Callable
 from contextlib import nullcontext
 
 import torch
-from transformers import PreTrainedModel
+from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
 from transformers.cache_utils import Cache, StaticLayer
+from transformers.generation.stopping_criteria import StoppingCriteriaList
+from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..models import DSparkDraftModel, TargetLayerTap
 from ..models.modeling import greedy_selector
 from ..tensor_ops import argmax_last
 from ..verify import verify
 from ..verify.reference import processed_scores
-from .batched import BatchedDSparkStats
+from .batched import BatchedDSparkStats, append_rows, padding_token
 from .candidate_generator import DSparkStats
 from .speculative_rows import check_batchable_target
-from .static_loop import commit, exponential_noise, fast_kernels, race
+from .static_loop import commit, exponential_noise, fast_kernels, fast_path_call, race
 from .target_features import check_drafter_fits_target
 
 
@@ -381,3 +383,28 @@ def _decode_rows(rounds: StaticBatchRounds, input_ids: torch.LongTensor, attenti
     if drafter is not None:
         drafter.generation_stats = BatchedDSparkStats(stats[:rows])
     return outputs[:rows]
+
+
+def static_assisted_decoding_batch(
+    target: PreTrainedModel,
+    drafter: DSparkDraftModel,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config: GenerationConfig,
+    synced_gpus: bool = False,
+    streamer=None,
+    **model_kwargs,
+):
+    """What `generate(assistant_model=drafter, cache_implementation="static")` runs at batch > 1 (same arguments as
+    `GenerationMixin._assisted_decoding`): `static_generate_batch` on the left-padded prompts with what
+    `static_loop.fast_path_call` takes from the call; finished rows are filled with the pad token, as plain batched
+    `generate()` fills them."""
+    attention_mask = model_kwargs.get("attention_mask")
+    new_tokens, arguments = fast_path_call(target, drafter, input_ids, logits_processor, stopping_criteria,
+                                           generation_config, synced_gpus, streamer, attention_mask)
+    sequences = input_ids
+    if new_tokens > 0:
+        generated = static_generate_batch(target, drafter, input_ids, attention_mask, new_tokens, **arguments)
+        sequences = append_rows(input_ids, generated, padding_token(generation_config))
+    return GenerateDecoderOnlyOutput(sequences=sequences) if generation_config.return_dict_in_generate else sequences

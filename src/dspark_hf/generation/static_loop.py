@@ -535,29 +535,20 @@ def sampled_dspark_loop(rounds: StaticRound, first, features, position, max_new_
     return out
 
 
-def static_assisted_decoding(
-    target: PreTrainedModel,
-    drafter: DSparkDraftModel,
-    input_ids: torch.LongTensor,
-    logits_processor: LogitsProcessorList,
-    stopping_criteria: StoppingCriteriaList,
-    generation_config: GenerationConfig,
-    synced_gpus: bool = False,
-    streamer=None,
-    **model_kwargs,
-):
-    """What `generate(assistant_model=drafter, cache_implementation="static")` runs at batch 1 (same arguments as
-    `GenerationMixin._assisted_decoding`): `static_generate` with the call's temperature / top-k / top-p, eos and
-    length, compiled on CUDA unless `disable_compile=True`, seeded from torch's global generator. Anything else the
-    call asks for (other logits processors or stopping criteria, a streamer, a padded prompt, a scheduler policy or
+def fast_path_call(target: PreTrainedModel, drafter: DSparkDraftModel, input_ids: torch.LongTensor,
+                   logits_processor: LogitsProcessorList, stopping_criteria: StoppingCriteriaList,
+                   generation_config: GenerationConfig, synced_gpus: bool, streamer, attention_mask) -> tuple[int, dict]:
+    """What a `generate(assistant_model=drafter, cache_implementation="static")` call asks of the fast path: (the new
+    tokens it allows, the keyword arguments of `static_generate` / `static_generate_batch`: temperature / top-k /
+    top-p, eos, compiled on CUDA unless `disable_compile=True`, a seed from torch's global generator). Anything else
+    (other logits processors or stopping criteria, a streamer, a padded prompt at batch 1, a scheduler policy or
     `dspark_gamma`) is refused with the reason, never silently dropped."""
     loop = "the static-cache fast path, cache_implementation='static'"
     check_own_loop_supported(target, generation_config, synced_gpus, loop)
     problems = []
     if streamer is not None:
         problems.append("a streamer (the fast path returns whole sequences)")
-    mask = model_kwargs.get("attention_mask")
-    if mask is not None and not bool(mask.all()):
+    if input_ids.shape[0] == 1 and attention_mask is not None and not bool(attention_mask.all()):
         problems.append("a padded prompt")
     if resolve_policy(generation_config, drafter) is not None or resolve_max_drafts(generation_config, drafter):
         problems.append("a scheduler policy or dspark_gamma (it verifies all drafts: pass dspark_policy='fixed')")
@@ -580,10 +571,28 @@ def static_assisted_decoding(
            for token in criterion.eos_token_id.flatten()]
     max_length = min((c.max_length for c in stopping_criteria if isinstance(c, MaxLengthCriteria)),
                      default=generation_config.max_length)
+    return max_length - input_ids.shape[1], dict(
+        settings, do_sample=bool(generation_config.do_sample), eos_token_id=eos,
+        compile=target.device.type == "cuda" and not generation_config.disable_compile,
+        seed=int(torch.randint(0, 2**62, (1,))))
+
+
+def static_assisted_decoding(
+    target: PreTrainedModel,
+    drafter: DSparkDraftModel,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config: GenerationConfig,
+    synced_gpus: bool = False,
+    streamer=None,
+    **model_kwargs,
+):
+    """What `generate(assistant_model=drafter, cache_implementation="static")` runs at batch 1 (same arguments as
+    `GenerationMixin._assisted_decoding`): `static_generate` with what `fast_path_call` takes from the call."""
+    new_tokens, arguments = fast_path_call(target, drafter, input_ids, logits_processor, stopping_criteria,
+                                           generation_config, synced_gpus, streamer, model_kwargs.get("attention_mask"))
     sequences = input_ids
-    if max_length > input_ids.shape[1]:
-        sequences = static_generate(
-            target, drafter, input_ids, max_length - input_ids.shape[1], do_sample=bool(generation_config.do_sample),
-            eos_token_id=eos, compile=target.device.type == "cuda" and not generation_config.disable_compile,
-            seed=int(torch.randint(0, 2**62, (1,))), **settings)
+    if new_tokens > 0:
+        sequences = static_generate(target, drafter, input_ids, new_tokens, **arguments)
     return GenerateDecoderOnlyOutput(sequences=sequences) if generation_config.return_dict_in_generate else sequences
