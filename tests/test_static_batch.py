@@ -35,9 +35,9 @@ def solo(target, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def assert_rows_equal_solo(target, drafter, prompts, max_new_tokens):
+def assert_rows_equal_solo(target, drafter, prompts, max_new_tokens, max_batch_size=None):
     ids, mask = left_padded(prompts)
-    rows = static_generate_batch(target, drafter, ids, mask, max_new_tokens)
+    rows = static_generate_batch(target, drafter, ids, mask, max_new_tokens, max_batch_size=max_batch_size)
     for prompt, row in zip(prompts, rows):
         assert row == solo(target, prompt, max_new_tokens), prompt
 
@@ -46,9 +46,11 @@ def assert_rows_equal_solo(target, drafter, prompts, max_new_tokens):
 def test_rows_equal_solo_generate(target, max_new_tokens):
     oracle = install_bigram_oracle(tiny_drafter(target, block_size=5, markov_rank=VOCAB_SIZE), target)
     for prompts in random_batches(VOCAB_SIZE, count=2, size=5, seed=max_new_tokens):
-        assert_rows_equal_solo(target, None, prompts, max_new_tokens)
-        assert_rows_equal_solo(target, oracle, prompts, max_new_tokens)
-        assert_rows_equal_solo(target, tiny_drafter(target, block_size=5, seed=3), prompts, max_new_tokens)
+        for max_batch_size in (None, 2):  # 2: three prompts take the rows of finished ones
+            assert_rows_equal_solo(target, None, prompts, max_new_tokens, max_batch_size)
+            assert_rows_equal_solo(target, oracle, prompts, max_new_tokens, max_batch_size)
+            assert_rows_equal_solo(target, tiny_drafter(target, block_size=5, seed=3), prompts, max_new_tokens,
+                                   max_batch_size)
 
 
 def test_rows_accept_different_numbers_of_drafts_in_one_round(target):
@@ -102,6 +104,49 @@ def test_each_row_drafts_from_exactly_its_committed_context(target):
                 committed[row] += tokens[: accepted + 1]
 
 
+def test_an_admitted_row_drafts_from_exactly_its_committed_context(target):
+    """A prompt admitted into a finished row of a running batch (`admit`: its own prefill, written into that row's
+    columns) leaves that row as prefilling it alone would (caches, features, positions), and drafts, round after
+    round, what the drafter proposes given its whole committed context at once; the row that kept running is
+    undisturbed."""
+    drafter = tiny_drafter(target, block_size=5, seed=3)
+    prompts = [[5, 9, 11, 4, 30, 8, 7], [6, 13, 21, 17, 9, 40, 41, 42, 43]]
+    ids, mask = left_padded(prompts)
+    rounds = StaticBatchRounds(target, drafter, 2, capacity=ids.shape[1] + 40)
+    rounds.prefill(ids, mask)
+    committed = [[token] for token in rounds.record[:, 1].tolist()]
+    with torch.no_grad(), rounds.tap:
+        for _ in range(3):
+            rounds.step()
+            for row, (accepted, *tokens) in enumerate(rounds.record.tolist()):
+                committed[row] += tokens[: accepted + 1]
+    rounds.active[0] = 0  # row 0 finishes; a new, longer prompt takes its row
+    prompts[0] = [7, 3, 22, 19, 4, 5, 31, 30, 29, 8, 12]
+    with torch.no_grad():
+        rounds.admit([0], torch.tensor([prompts[0]]), torch.ones(1, len(prompts[0]), dtype=torch.long))
+    committed[0] = [int(rounds.record[0, 1])]
+    assert committed[0] == solo(target, prompts[0], 1)
+    fresh = StaticBatchRounds(target, drafter, 1, capacity=rounds.capacity)  # the same prompt prefilled alone
+    fresh.prefill(torch.tensor([prompts[0]]), torch.ones(1, len(prompts[0]), dtype=torch.long))
+    for name in ("pad", "anchor", "column", "context_column", "active"):
+        assert getattr(rounds, name)[0] == getattr(fresh, name)[0], name
+    assert torch.allclose(rounds.features[0], fresh.features[0], atol=1e-6)
+    for cache, fresh_cache, columns in ((rounds.target_cache, fresh.target_cache, len(prompts[0])),
+                                        (rounds.drafter_cache, fresh.drafter_cache, int(fresh.context_column[0]))):
+        for layer, fresh_layer in zip(cache.layers, fresh_cache.layers):
+            assert torch.allclose(layer.keys[0, :, :columns], fresh_layer.keys[0, :, :columns], atol=1e-6)
+            assert torch.allclose(layer.values[0, :, :columns], fresh_layer.values[0, :, :columns], atol=1e-6)
+    for _ in range(4):
+        contexts = [prompt + row[:-1] for prompt, row in zip(prompts, committed)]
+        with torch.no_grad(), rounds.tap:
+            rounds.step()
+        for row, (accepted, *tokens) in enumerate(rounds.record.tolist()):
+            assert rounds.drafts[row].tolist() == reference_drafts(target, drafter, contexts[row], committed[row][-1])
+            committed[row] += tokens[: accepted + 1]
+    for prompt, row in zip(prompts, committed):
+        assert row == solo(target, prompt, len(row))
+
+
 def test_eos_ends_each_row_where_plain_decoding_does():
     target = make_bigram_like(tiny_target("qwen3", vocab_size=VOCAB_SIZE, eos_token_id=EOS))
     drafter = install_bigram_oracle(tiny_drafter(target, block_size=5, markov_rank=VOCAB_SIZE), target)
@@ -113,6 +158,7 @@ def test_eos_ends_each_row_where_plain_decoding_does():
                and any(token not in row for row in continuations))
     ids, mask = left_padded(prompts)
     rows = static_generate_batch(target, drafter, ids, mask, 30, eos_token_id=eos)
+    assert static_generate_batch(target, drafter, ids, mask, 30, eos_token_id=eos, max_batch_size=4) == rows
     ended = 0
     for prompt, row in zip(prompts, rows):
         expected = target.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False,
@@ -172,9 +218,11 @@ def test_inductor_keeps_each_rows_state_consistent():
 SECOND_PROMPT = [2, 3, 0, 5, 1]  # longer: the rows of PROMPT are left-padded
 
 
-@pytest.mark.parametrize("with_drafter", [True, False], ids=["dspark", "plain"])
-def test_sampling_follows_each_rows_target_distribution(with_drafter):
-    """2500 rows of each of two prompts in one batch (temperature 0.7, top-p 0.8): per prompt, the rows' first three
+@pytest.mark.parametrize("with_drafter,max_batch_size", [(True, None), (False, None), (True, 1024)],
+                         ids=["dspark", "plain", "dspark-refilled"])
+def test_sampling_follows_each_rows_target_distribution(with_drafter, max_batch_size):
+    """2500 rows of each of two prompts in one batch, or 1024 at a time with the others admitted as rows finish
+    (temperature 0.7, top-p 0.8): per prompt, the rows' first three
     tokens pass the chi-square test against the exactly enumerated distribution (see test_generation_sampling.py for
     the protocol and the stated false-alarm rate of 0.1 %). Negative control: the same rows fail the test against
     the distribution at a temperature 15 % higher."""
@@ -185,7 +233,7 @@ def test_sampling_follows_each_rows_target_distribution(with_drafter):
     prompts, num_samples = (PROMPT[0].tolist(), SECOND_PROMPT), 2500
     ids, mask = left_padded([prompt for prompt in prompts for _ in range(num_samples)])
     rows = static_generate_batch(target, drafter, ids, mask, NEW_TOKENS, do_sample=True, temperature=0.7, top_p=0.8,
-                                 seed=0)
+                                 seed=0, max_batch_size=max_batch_size)
     processors = LogitsProcessorList([TemperatureLogitsWarper(0.7), TopPLogitsWarper(0.8)])
     hotter = LogitsProcessorList([TemperatureLogitsWarper(0.7 * 1.15), TopPLogitsWarper(0.8)])
     for index, prompt in enumerate(prompts):

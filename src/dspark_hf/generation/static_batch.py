@@ -32,7 +32,7 @@ from contextlib import nullcontext
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
-from transformers.cache_utils import Cache, StaticLayer
+from transformers.cache_utils import Cache, DynamicCache, StaticLayer
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
@@ -77,6 +77,14 @@ class RowStaticCache(Cache):
         """Sets every row's write position (`columns` [B], on the device: no host sync)."""
         for layer in self.layers:
             layer.cumulative_length.copy_(columns)
+
+
+def _write_rows(cache: RowStaticCache, source: DynamicCache, rows: torch.Tensor) -> None:
+    """Copies `source`'s K/V [k, heads, W, d] per layer into rows `rows` (k of them), columns 0 .. W - 1."""
+    for layer, written in zip(cache.layers, source.layers):
+        width = written.keys.shape[2]
+        layer.keys[rows, :, :width] = written.keys
+        layer.values[rows, :, :width] = written.values
 
 
 def visible_columns(pad: torch.Tensor, first_query: torch.Tensor, queries: int, capacity: int, causal: bool,
@@ -200,6 +208,43 @@ class StaticBatchRounds:
         self.features.copy_(features[:, context:])
         self.context_column.fill_(context)
 
+    def admit(self, slots: list[int], input_ids: torch.LongTensor, attention_mask: torch.Tensor,
+              choose: Callable[[torch.Tensor], torch.LongTensor] = argmax_last) -> None:
+        """Prefills the left-padded prompts [k, W] (W >= γ + 2 with a drafter) into rows `slots`, which have stopped,
+        while the other rows keep their state: one target forward (and one drafter context forward) on temporary
+        caches whose K/V go into those rows' first W columns. Each new row's first token goes into `record`."""
+        if not self.target_cache.layers[0].is_initialized:
+            raise RuntimeError("admit() refills rows of a running batch: call prefill() first.")
+        device = self.target.device
+        index = torch.tensor(slots, dtype=torch.long, device=device)
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        pad = (attention_mask == 0).sum(dim=1)
+        positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        with self.tap if self.tap is not None else nullcontext():
+            logits = self.target(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                                 past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
+            features = self.tap.features() if self.tap is not None else None
+        _write_rows(self.target_cache, cache, index)
+        first = choose(logits)
+        width = input_ids.shape[1]
+        self.pad[index] = pad
+        self.anchor[index] = first
+        self.column[index] = width
+        self.active[index] = 1
+        self.record[index] = 0
+        self.record[index, 1] = first
+        if self.drafter is None:
+            return
+        context = width - self.width  # as in prefill: the last γ + 1 columns' features are the next round's
+        drafter_cache = DynamicCache()
+        block = torch.full((len(slots), 1), self.drafter.config.mask_token_id, dtype=torch.long, device=device)
+        self.drafter(input_ids=block, target_hidden_states=features[:, :context], past_key_values=drafter_cache,
+                     context_position_ids=positions[:, :context], position_ids=(context - pad)[:, None])
+        _write_rows(self.drafter_cache, drafter_cache, index)
+        self.features[index] = features[:, context:].to(self.features.dtype)
+        self.context_column[index] = context
+
     # ------------------------------------------------------------------ rounds
     def _plain_round(self) -> None:
         self._plain_step(argmax_last)
@@ -282,6 +327,7 @@ def static_generate_batch(
     seed: int | None = None,
     attention: str = "auto",
     fuse_projections: bool | None = None,
+    max_batch_size: int | None = None,
 ) -> list[list[int]]:
     """Left-padded prompts [B, W] (`attention_mask` 1 on real tokens; None: no padding) -> each row's new tokens
     (at most `max_new_tokens`, up to and including its first eos). `drafter=None` decodes plainly. Sampling
@@ -293,7 +339,8 @@ def static_generate_batch(
     per batch bucket; the rows' draws do not depend on that padding. Caches and the compiled round are kept for the
     next call of the same (padded) batch size (`StaticBatchRounds.for_models`). `attention` and `fuse_projections`
     as in `static_generate` (on CUDA by default: the static-cache Triton kernel, which takes each row's mask, and
-    fused projections)."""
+    fused projections). `max_batch_size`: decode at most that many prompts at once; each further prompt takes the
+    row of one that has finished (continuous batching on the static caches; default: all prompts at once)."""
     if input_ids.dim() != 2:
         raise ValueError(f"static_generate_batch() takes left-padded prompts [B, W]; got {tuple(input_ids.shape)}.")
     if max_new_tokens < 1:
@@ -310,27 +357,33 @@ def static_generate_batch(
         input_ids = torch.nn.functional.pad(input_ids, (extra, 0))
         attention_mask = torch.nn.functional.pad(attention_mask, (extra, 0))
     rows = input_ids.shape[0]
+    if max_batch_size is not None and max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}.")
+    batch = rows if max_batch_size is None else min(rows, max_batch_size)
     if compile:  # one graph per power-of-two batch: spare rows copy the first one and stop at once
-        spare = (1 << (rows - 1).bit_length()) - rows
-        input_ids = torch.cat([input_ids, input_ids[:1].expand(spare, -1)])
-        attention_mask = torch.cat([attention_mask, attention_mask[:1].expand(spare, -1)])
-    batch, capacity = input_ids.shape[0], input_ids.shape[1] + max_new_tokens + 2 * width
+        batch = 1 << (batch - 1).bit_length()
+    capacity = input_ids.shape[1] + max_new_tokens + 2 * width
     build = lambda: StaticBatchRounds.for_models(target, drafter, batch, capacity, compile, do_sample)  # noqa: E731
     with fast_kernels(target, drafter, attention, fuse_projections, build) as rounds:
-        return _decode_rows(rounds, input_ids, attention_mask, rows, max_new_tokens, do_sample, temperature, top_k,
-                            top_p, eos_token_id, seed)
+        return _decode_rows(rounds, input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p,
+                            eos_token_id, seed)
 
 
-def _decode_rows(rounds: StaticBatchRounds, input_ids: torch.LongTensor, attention_mask: torch.Tensor, rows: int,
+def _decode_rows(rounds: StaticBatchRounds, input_ids: torch.LongTensor, attention_mask: torch.Tensor,
                  max_new_tokens: int, do_sample: bool, temperature: float, top_k: int | None, top_p: float | None,
                  eos_token_id: int | list[int] | None, seed: int | None) -> list[list[int]]:
-    """`static_generate_batch`'s decoding loop over the (padded) batch of `rounds` (its first `rows` are real)."""
+    """`static_generate_batch`'s decoding loop: the prompts [N, W] on the B rows of `rounds`. The first min(N, B)
+    fill the rows (copies of the first one fill any spare rows, stopped at once); each later prompt is admitted
+    into a row that has finished (`StaticBatchRounds.admit`)."""
     target, drafter = rounds.target, rounds.drafter
-    batch, width = input_ids.shape[0], rounds.width
+    requests, batch, width = input_ids.shape[0], rounds.pad.shape[0], rounds.width
+    refill = requests > batch
+    live = batch if refill else requests  # rows whose draws count; the others are spare copies
     eos = target.generation_config.eos_token_id if eos_token_id is None else eos_token_id
     eos_ids = set([eos] if isinstance(eos, int) else (eos or []))
     device, vocab = target.device, target.config.get_text_config().vocab_size
-    choose, next_round = argmax_last, rounds.compiled
+    choose = choose_first = argmax_last
+    next_round = rounds.compiled
     if do_sample:
         generator = torch.Generator(device=device)
         generator.manual_seed(seed) if seed is not None else generator.seed()
@@ -339,50 +392,74 @@ def _decode_rows(rounds: StaticBatchRounds, input_ids: torch.LongTensor, attenti
                     None if top_p is None else torch.full((batch,), float(top_p), device=device))
 
         def noise(*shape: int) -> torch.Tensor:
-            """Exp(1) noise for the real rows, then ones for the spare rows (their draws are dropped)."""
-            drawn = exponential_noise((rows, *shape), generator, device)
-            return torch.cat([drawn, drawn.new_ones(batch - rows, *shape)])
+            """Exp(1) noise for the live rows, then ones for the spare rows (their draws are dropped)."""
+            drawn = exponential_noise((live, *shape), generator, device)
+            return torch.cat([drawn, drawn.new_ones(batch - live, *shape)])
 
         def choose(logits: torch.Tensor) -> torch.LongTensor:
             return race(processed_scores(logits, *sampling).softmax(dim=-1), noise(vocab))
+
+        def choose_first(logits: torch.Tensor) -> torch.LongTensor:  # the first tokens of k admitted rows
+            settings = [None if value is None else value[: logits.shape[0]] for value in sampling]
+            drawn = exponential_noise((logits.shape[0], vocab), generator, device)
+            return race(processed_scores(logits, *settings).softmax(dim=-1), drawn)
 
         def next_round() -> None:
             if drafter is None:
                 return rounds.compiled(noise(vocab), *sampling)
             gamma = width - 1
             drafts, probs, logits, features = rounds.compiled(noise(gamma, vocab), *sampling)
-            seeds = torch.randint(-(2**62), 2**62, (rows,), generator=generator, device=device)
-            seeds = torch.cat([seeds, seeds.new_zeros(batch - rows)])
+            seeds = torch.randint(-(2**62), 2**62, (live,), generator=generator, device=device)
+            seeds = torch.cat([seeds, seeds.new_zeros(batch - live)])
             result = verify(drafts.reshape(-1), torch.full((batch,), gamma, device=device), logits.reshape(-1, vocab),
                             probs.reshape(-1, vocab), do_sample=True, temperature=temperature, top_k=top_k,
                             top_p=top_p, seeds=seeds, max_draft_len=gamma)
             rounds.advance(result.num_accepted, result.output_tokens, features)
 
-    rounds.prefill(input_ids, attention_mask, choose)
-    first = rounds.record[:, 1].tolist()
-    outputs = [[token] for token in first]
-    done = [row >= rows or token in eos_ids or max_new_tokens == 1 for row, token in enumerate(first)]
-    stats = [DSparkStats() for _ in outputs]
-    for row in range(batch):
-        if done[row]:
+    first_rows = list(range(min(requests, batch))) + [0] * max(0, batch - requests)
+    rounds.prefill(input_ids[first_rows], attention_mask[first_rows], choose)
+    outputs: list[list[int]] = [[] for _ in range(requests)]
+    stats = [DSparkStats() for _ in range(requests)]
+    owner: list[int | None] = [row if row < requests else None for row in range(batch)]  # each row's request
+    waiting = list(range(batch, requests))
+
+    def commit_tokens(row: int, tokens: list[int]) -> int:
+        """Commits a row's new tokens to its request; frees the row when the request has ended."""
+        request = owner[row]
+        before = len(outputs[request])
+        ended = commit(outputs[request], tokens[: max_new_tokens - before], eos_ids)
+        if ended or len(outputs[request]) >= max_new_tokens:
+            owner[row] = None
             rounds.active[row] = 0
-    while not all(done):
+        return len(outputs[request]) - before
+
+    for row, token in enumerate(rounds.record[:, 1].tolist()):
+        if owner[row] is None:
+            rounds.active[row] = 0
+        else:
+            commit_tokens(row, [token])
+    while any(request is not None for request in owner) or waiting:
+        free = [row for row, request in enumerate(owner) if request is None][: len(waiting)]
+        if free:
+            admitted, waiting = waiting[: len(free)], waiting[len(free):]
+            rounds.admit(free, input_ids[admitted], attention_mask[admitted], choose_first)
+            for row, request, token in zip(free, admitted, rounds.record[free, 1].tolist()):
+                owner[row] = request
+                commit_tokens(row, [token])
+            continue  # a request can end at its first token: admit again before the next round
         with rounds.tap if rounds.tap is not None else nullcontext():
             next_round()
         for row, (accepted, *tokens) in enumerate(rounds.record.tolist()):  # the round's one synchronisation
-            if done[row]:
+            request = owner[row]
+            if request is None:
                 continue
-            before = len(outputs[row])
-            ended = commit(outputs[row], tokens[: min(accepted + 1, max_new_tokens - before)], eos_ids)
-            stats[row].drafted.append(width - 1)
-            stats[row].accepted.append(accepted)
-            stats[row].committed.append(len(outputs[row]) - before)
-            if ended or len(outputs[row]) >= max_new_tokens:
-                done[row] = True
-                rounds.active[row] = 0
+            committed = commit_tokens(row, tokens[: accepted + 1])
+            stats[request].drafted.append(width - 1)
+            stats[request].accepted.append(accepted)
+            stats[request].committed.append(committed)
     if drafter is not None:
-        drafter.generation_stats = BatchedDSparkStats(stats[:rows])
-    return outputs[:rows]
+        drafter.generation_stats = BatchedDSparkStats(stats)
+    return outputs
 
 
 def static_assisted_decoding_batch(
