@@ -41,7 +41,10 @@ plain greedy continuation has no eos, left-padded, repeated when fewer exist):
 - `plain_static`, `plain_static_compiled`, `dspark_static`, `dspark_static_compiled`:
   `dspark_hf.generation.static_generate_batch` (static caches with a write position per row; eos off), eager and
   with `compile=True` on CUDA (one CUDA graph per round, one host read per round); `tau` and `rounds` from its
-  per-row statistics.
+  per-row statistics;
+- `dspark_static_refill_compiled`: the same, compiled, over the B prompts twice with `max_batch_size=B`: a row that
+  has its tokens takes the next prompt (continuous batching), so rows do not wait for the batch's slowest one; `tau`
+  from its per-request statistics (no `rounds` / `ms_per_round`: a row serves several requests).
 
 Not measured, with the reason also in each entry's `not_measured` (method -> reason):
 - at batch > 1: transformers' assisted generation and prompt lookup (its `_assisted_decoding` raises for batch > 1);
@@ -133,7 +136,8 @@ def not_measured(name: str, batch: int) -> dict[str, str]:
     hf_batch_1 = "batch 1 only: transformers' _assisted_decoding raises for batch_size > 1"
     return {"prompt_lookup": hf_batch_1,
             "dspark_generate": "not timed separately: dspark_hf routes batched generate(assistant_model=drafter) to "
-                               "SpeculativeRows, the decoding core dspark_engine runs",
+                               "SpeculativeRows, the decoding core dspark_engine runs (with "
+                               "cache_implementation='static': to static_generate_batch, as dspark_static_compiled)",
             "dflash_native": "batch 1 only (transformers' assisted loop); see the batch-1 entry",
             "assisted_10m": hf_batch_1 if name == "code50m" else "no assistant for a random shape"}
 
@@ -308,7 +312,7 @@ def measure(target, drafter, prompt, new_tokens: int, assistant=None) -> dict:
             output, seconds, forwards = run(method, device, target if name in counted else None)
         except Exception as error:  # noqa: BLE001 - one failing method is recorded, the others still run
             rows[name] = dict(error=f"{type(error).__name__}: {error}"[:2000])
-            print(f"{name:>24} FAILED: {rows[name]['error'][:300]}", flush=True)
+            print(f"{name:>29} FAILED: {rows[name]['error'][:300]}", flush=True)
             continue
         generated = output.shape[1] - prompt.shape[1]
         row = dict(tokens_per_second=generated / seconds, ms_per_token=1e3 * seconds / generated)
@@ -331,7 +335,7 @@ def measure(target, drafter, prompt, new_tokens: int, assistant=None) -> dict:
         if name == "assisted_10m":
             row["assistant"] = assistant_settings(assistant)
         rows[name], outputs[name] = row, output[0, prompt.shape[1]:]
-        print(f"{name:>24} {row['tokens_per_second']:8.1f} tok/s"
+        print(f"{name:>29} {row['tokens_per_second']:8.1f} tok/s"
               + (f"  tau {row['tau']:.2f}  {row['ms_per_round']:.1f} ms/round" if "tau" in row else ""), flush=True)
     reference = outputs["plain_eager"]
     for name, tokens in outputs.items():  # bf16 kernels may round differently; float32 is tested exactly
@@ -374,8 +378,10 @@ def measure_batch(target, drafter, prompts: list[list[int]], new_tokens: int) ->
         "engine_no_spec": engine_method(DSparkEngine(target, None, max_batch_size=batch, policy="none", seed=0)),
     }
 
-    def static_batch(model, compile: bool):
-        return lambda: torch.tensor(static_generate_batch(target, model, ids, mask, new_tokens, eos_token_id=[],
+    def static_batch(model, compile: bool, repeat: int = 1):
+        """`static_generate_batch` over the prompts `repeat` times, B rows at once (later ones refill rows)."""
+        return lambda: torch.tensor(static_generate_batch(target, model, ids.repeat(repeat, 1), mask.repeat(repeat, 1),
+                                                          new_tokens, eos_token_id=[], max_batch_size=batch,
                                                           compile=compile and device.type == "cuda"), device=device)
 
     methods = {
@@ -386,6 +392,7 @@ def measure_batch(target, drafter, prompts: list[list[int]], new_tokens: int) ->
         "plain_static_compiled": static_batch(None, True),
         "dspark_static": static_batch(drafter, False),
         "dspark_static_compiled": static_batch(drafter, True),
+        "dspark_static_refill_compiled": static_batch(drafter, True, repeat=2),
     }
     rows, outputs = {}, {}
     for name, method in methods.items():
@@ -400,13 +407,15 @@ def measure_batch(target, drafter, prompts: list[list[int]], new_tokens: int) ->
                        ms_per_round=1e3 * seconds / max(1, len(log)))
         elif name.startswith("dspark_static"):
             stats = drafter.generation_stats
-            row.update(tau=stats.tau, rounds=stats.rounds, ms_per_round=1e3 * seconds / max(1, stats.rounds))
+            row.update(tau=stats.tau)
+            if "refill" not in name:  # (refilled rows serve several requests: no per-round count per request)
+                row.update(rounds=stats.rounds, ms_per_round=1e3 * seconds / max(1, stats.rounds))
         rows[name], outputs[name] = row, output
-        print(f"{name:>24} {row['tokens_per_second']:8.1f} tok/s"
-              + (f"  tau {row['tau']:.2f}  {row['ms_per_round']:.1f} ms/round" if "tau" in row else ""), flush=True)
+        print(f"{name:>29} {row['tokens_per_second']:8.1f} tok/s" + (f"  tau {row['tau']:.2f}" if "tau" in row else "")
+              + (f"  {row['ms_per_round']:.1f} ms/round" if "ms_per_round" in row else ""), flush=True)
     reference = outputs["plain_eager"]
-    for name, tokens in outputs.items():
-        shares = [first_difference_share(row, ref) for row, ref in zip(tokens, reference)]
+    for name, tokens in outputs.items():  # (the refill method's rows are the prompts twice)
+        shares = [first_difference_share(row, reference[index % batch]) for index, row in enumerate(tokens)]
         rows[name].update(matched_plain=sum(shares) / len(shares), matched_plain_min=min(shares))
     return rows
 
