@@ -355,3 +355,50 @@ def test_round_profile_splits_each_round_and_changes_nothing(models, policy):
     assert engine.runner.profiler.rounds == sum(1 for _ in engine.round_log)
     with pytest.raises(ValueError, match="profile_rounds"):
         DSparkEngine(target, drafter).round_profile()
+
+
+@pytest.mark.parametrize("with_drafter", [True, False], ids=["dspark", "plain"])
+def test_static_engine_serves_arrivals_and_cancellations_exactly(models, with_drafter):
+    """DSparkEngine(static=True): requests of random lengths arrive at random rounds and take free rows of the static
+    caches, some are cancelled; every finished request equals its solo greedy generate() (a cancelled one, a prefix
+    of it), and rows accept different numbers of drafts."""
+    target, drafter = models
+    engine = DSparkEngine(target, drafter if with_drafter else None, max_batch_size=4, max_model_len=64,
+                          policy="fixed" if with_drafter else "none", static=True,
+                          default_sampling={"temperature": 0})
+    rng = random.Random(7)
+    handles, pending = [], 20
+    while pending or engine.has_unfinished():
+        for _ in range(min(pending, rng.choice([0, 0, 1, 3]))):
+            prompt = [rng.randrange(4, VOCAB_SIZE) for _ in range(rng.randint(1, 24))]
+            handles.append(engine.add_request(prompt, max_tokens=rng.randint(1, 64 - len(prompt))))
+            pending -= 1
+        live = [h for h in handles if not h.finished]
+        if live and rng.random() < 0.1:
+            rng.choice(live).cancel()
+        engine.step()
+        assert engine.num_running <= 4
+    cancelled = 0
+    for handle in handles:
+        out = handle.output()
+        expected = solo(target, handle.prompt_ids, handle.params.max_tokens)
+        if out.finish_reason == "cancelled":
+            cancelled += 1
+            assert out.token_ids == expected[: len(out.token_ids)]
+        else:
+            assert out.token_ids == expected
+    assert cancelled > 0
+    if with_drafter:
+        assert any(len(set(entry["accepted"])) > 1 for entry in engine.round_log)
+
+
+def test_static_engine_refuses_what_it_does_not_do(models):
+    target, drafter = models
+    with pytest.raises(ValueError, match="max_model_len"):
+        DSparkEngine(target, drafter, static=True, policy="fixed")
+    with pytest.raises(ValueError, match="every draft"):
+        DSparkEngine(target, drafter, static=True, max_model_len=64, policy="hardware_aware",
+                     sps_table=SPSTable([1, 4], [1.0, 0.9]))
+    engine = DSparkEngine(target, drafter, static=True, max_model_len=64, policy="fixed")
+    with pytest.raises(ValueError, match="greedy requests only"):
+        engine.add_request([5, 6], temperature=0.8)

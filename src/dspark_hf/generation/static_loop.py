@@ -295,24 +295,37 @@ def exponential_noise(shape: tuple[int, ...], generator: torch.Generator, device
     return torch.empty(shape, device=device).exponential_(generator=generator).clamp_min_(1e-20)
 
 
-@contextmanager
-def fast_kernels(target: PreTrainedModel, drafter: DSparkDraftModel | None, attention: str,
-                 fuse_projections: bool | None, build: Callable[[], R]) -> Iterator[R]:
-    """The fast paths' kernels, shared by `static_generate`, `static_generate_batch` and `profile_static_round`:
-    picks the attention (`attention`) and projection fusion (`fuse_projections`) as `static_generate` documents, and
-    yields `build()` (the paths' kept caches and round) with both in effect."""
+def kernel_choice(target: PreTrainedModel, attention: str, fuse_projections: bool | None) -> tuple[bool, bool]:
+    """(the static-cache attention kernel, fused projections): `static_generate`'s `attention` and
+    `fuse_projections` arguments resolved for `target`'s device."""
     if attention not in ATTENTION_CHOICES:
         raise ValueError(f"attention must be one of {ATTENTION_CHOICES}, got {attention!r}.")
     if attention == "static_kernel" and not triton_available(target.device):
         raise ValueError("attention='static_kernel' needs Triton and a CUDA device (or TRITON_INTERPRET=1).")
     kernel = attention == "static_kernel" or (attention == "auto" and target.device.type == "cuda"
                                                and triton_available(target.device))
-    if fuse_projections is None:
-        fuse_projections = target.device.type == "cuda"
+    return kernel, target.device.type == "cuda" if fuse_projections is None else fuse_projections
+
+
+@contextmanager
+def kernels_active(target: PreTrainedModel, drafter: DSparkDraftModel | None, kernel: bool,
+                   fuse: bool) -> Iterator[None]:
+    """The context in which the models' forwards run the chosen kernels (fused projections must be fused already)."""
     with (using_static_attention(target, drafter) if kernel else nullcontext(),
-          fused_projections.projection_fusion() if fuse_projections else nullcontext()):
+          fused_projections.projection_fusion() if fuse else nullcontext()):
+        yield
+
+
+@contextmanager
+def fast_kernels(target: PreTrainedModel, drafter: DSparkDraftModel | None, attention: str,
+                 fuse_projections: bool | None, build: Callable[[], R]) -> Iterator[R]:
+    """The fast paths' kernels, shared by `static_generate`, `static_generate_batch` and `profile_static_round`:
+    picks the attention (`attention`) and projection fusion (`fuse_projections`) as `static_generate` documents, and
+    yields `build()` (the paths' kept caches and round) with both in effect."""
+    kernel, fuse = kernel_choice(target, attention, fuse_projections)
+    with kernels_active(target, drafter, kernel, fuse):
         built = build()
-        if fuse_projections:  # (after the caches are accepted: a refused model is left as it was)
+        if fuse:  # (after the caches are accepted: a refused model is left as it was)
             for model in (target, drafter):
                 if model is not None:
                     fused_projections.fuse_projections(model)

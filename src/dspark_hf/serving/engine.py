@@ -31,6 +31,7 @@ from ..attention_backends import decoding_attention
 from ..generation.policy import resolve_policy
 from ..generation.profiling import RoundProfiler
 from ..generation.speculative_rows import Row, SpeculativeRows, check_batchable_target, ragged_drafts, ragged_rows
+from ..generation.static_rows import StaticRows
 from ..generation.target_features import check_drafter_fits_target
 from ..models import DSparkDraftModel
 from ..scheduling import SchedulerPolicy, SpeculationGuard, SPSTable, get_policy
@@ -125,13 +126,18 @@ class DSparkEngine:
             without an SPS table gets the policy's).
         profile_rounds: time each round's parts (`round_profile()`); synchronises the device at every part boundary,
             so it slows the engine down a little.
+        static: run the rows on static caches (`generation.static_rows.StaticRows`): a request takes a free row of
+            a `max_batch_size` × `max_model_len` cache (give `max_model_len`), every round verifies all γ drafts of
+            every row in one forward, one CUDA graph per round with `static_compile` (default: on CUDA). Greedy
+            requests only, policy "fixed" without `gamma` or "none", no speculation guard. Experimental.
     """
 
     def __init__(self, target: PreTrainedModel, drafter: DSparkDraftModel | None = None, tokenizer=None, *,
                  policy: str | SchedulerPolicy | None = None, gamma: int | None = None, threshold: float | None = None,
                  sps_table: SPSTable | str | None = None, max_batch_size: int = 64, max_model_len: int | None = None,
                  seed: int = 0, default_sampling: dict | None = None, compact_threshold: float = 0.5,
-                 speculation_guard: bool | SpeculationGuard | None = None, profile_rounds: bool = False):
+                 speculation_guard: bool | SpeculationGuard | None = None, profile_rounds: bool = False,
+                 static: bool = False, static_compile: bool | None = None):
         check_batchable_target(target)
         if drafter is not None:
             check_drafter_fits_target(drafter.config, target)
@@ -155,9 +161,19 @@ class DSparkEngine:
             speculation_guard = SpeculationGuard()
         if speculation_guard and speculation_guard.sps_table is None and scheduler is not None:
             speculation_guard.sps_table = scheduler.params.get("sps_table")
-        self.runner = SpeculativeRows(target, drafter if speculate else None, RequestSampler(self.generator),
-                                      scheduler, drafter.config.sts_temperatures if drafter is not None else None,
-                                      compact_threshold=compact_threshold, guard=speculation_guard or None)
+        self.static = static
+        if static:
+            if max_model_len is None or speculation_guard or (scheduler is not None and scheduler.name != "fixed") \
+                    or gamma is not None:
+                raise ValueError("DSparkEngine(static=True) needs max_model_len and verifies every draft: policy "
+                                 "'fixed' without gamma (or 'none'), no speculation guard.")
+            compile_rounds = target.device.type == "cuda" if static_compile is None else static_compile
+            self.runner = StaticRows(target, drafter if speculate else None, max_batch_size, max_model_len,
+                                     compile=compile_rounds)
+        else:
+            self.runner = SpeculativeRows(target, drafter if speculate else None, RequestSampler(self.generator),
+                                          scheduler, drafter.config.sts_temperatures if drafter is not None else None,
+                                          compact_threshold=compact_threshold, guard=speculation_guard or None)
         if profile_rounds:
             self.runner.profiler = RoundProfiler(target.device)
         self.requests: dict[str, Request] = {}
@@ -180,6 +196,9 @@ class DSparkEngine:
                                                                     "max_tokens", "stop", "stop_token_ids",
                                                                     "ignore_eos")}
         params = SamplingParams.build(defaults, sampling)
+        if self.static and not params.greedy:
+            raise ValueError("DSparkEngine(static=True) serves greedy requests only (temperature=0 or "
+                             "do_sample=False).")
         ids = prompt_token_ids(prompt, self.tokenizer, self.vocab_size)
         if self.max_model_len is not None:
             if len(ids) >= self.max_model_len:
