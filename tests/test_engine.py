@@ -402,3 +402,6 @@ def test_static_engine_refuses_what_it_does_not_do(models):
     engine = DSparkEngine(target, drafter, static=True, max_model_len=64, policy="fixed")
     with pytest.raises(ValueError, match="greedy requests only"):
         engine.add_request([5, 6], temperature=0.8)
+    handle = engine.add_request([5, 6], max_tokens=9)
+    engine.run()
+    assert handle.params.greedy and handle.output().token_ids == solo(target, [5, 6], 9)  # greedy by default

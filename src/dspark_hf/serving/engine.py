@@ -129,7 +129,8 @@ class DSparkEngine:
         static: run the rows on static caches (`generation.static_rows.StaticRows`): a request takes a free row of
             a `max_batch_size` × `max_model_len` cache (give `max_model_len`), every round verifies all γ drafts of
             every row in one forward, one CUDA graph per round with `static_compile` (default: on CUDA). Greedy
-            requests only, policy "fixed" without `gamma` or "none", no speculation guard. Experimental.
+            requests only (the default then), policy "fixed" without `gamma` or "none", no speculation guard.
+            Experimental.
     """
 
     def __init__(self, target: PreTrainedModel, drafter: DSparkDraftModel | None = None, tokenizer=None, *,
@@ -150,7 +151,10 @@ class DSparkEngine:
         self.vocab_size = text.vocab_size
         self.max_model_len = max_model_len or getattr(text, "max_position_embeddings", None)
         self.max_batch_size = max_batch_size
-        self.default_sampling = SamplingParams.build({}, dict(default_sampling or {}))
+        defaults = dict(default_sampling or {})
+        if static and not {"temperature", "do_sample"} & set(defaults):
+            defaults["temperature"] = 0.0  # the static rows decode greedily: make that the default
+        self.default_sampling = SamplingParams.build({}, defaults)
         self._default_max_given = bool({"max_tokens", "max_new_tokens"} & set(default_sampling or {}))
         eos = target.generation_config.eos_token_id
         self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
