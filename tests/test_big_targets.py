@@ -284,9 +284,13 @@ def test_tensor_parallel_target_is_lossless(tmp_path):
     worker = Path(__file__).with_name("tp_worker.py")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
         [str(Path(__file__).resolve().parents[1] / "src"), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          str(worker), str(path), str(tmp_path / "drafter"), str(tmp_path)],
-                         env=env, capture_output=True, text=True, timeout=120)
+    for attempt in range(2):  # a rank killed by a signal (once on a loaded 2-core CI machine: gloo's SIGABRT,
+        # "terminate called without an active exception") gets one more run; a wrong result or a second death fails
+        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                              str(worker), str(path), str(tmp_path / "drafter"), str(tmp_path)],
+                             env=env, capture_output=True, text=True, timeout=120)
+        if run.returncode == 0 or "Signal" not in run.stderr:
+            break
     assert run.returncode == 0, run.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0] == ranks[1]
