@@ -57,6 +57,18 @@ class Row:
         return self.max_new - (len(self.ids) - self.prompt_len)
 
 
+def left_padded(rows: list[Row], min_width: int = 0) -> tuple[torch.LongTensor, torch.BoolTensor]:
+    """The rows' token ids left-padded to their longest (at least `min_width`): ids [R, W] (0 on padding) and the
+    mask of real tokens [R, W]."""
+    width = max(min_width, *(len(row.ids) for row in rows))
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.bool)
+    for index, row in enumerate(rows):
+        ids[index, width - len(row.ids):] = torch.tensor(row.ids)
+        mask[index, width - len(row.ids):] = True
+    return ids, mask
+
+
 class RowSampler(Protocol):
     """How rows choose tokens. `select` draws draft slot tokens and returns the processed logits they were drawn from;
     `first_tokens` picks the token after a prompt; `verify` runs lossless verification of a ragged round."""
@@ -139,12 +151,7 @@ class SpeculativeRows:
             return self._add(rows)
 
     def _add(self, rows: list[Row]) -> list[list[int]]:
-        width = max(len(row.ids) for row in rows)
-        ids = torch.zeros(len(rows), width, dtype=torch.long)
-        mask = torch.zeros(len(rows), width, dtype=torch.bool)
-        for i, row in enumerate(rows):
-            ids[i, width - len(row.ids):] = torch.tensor(row.ids)
-            mask[i, width - len(row.ids):] = True
+        ids, mask = left_padded(rows)
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()

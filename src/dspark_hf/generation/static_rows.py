@@ -17,7 +17,7 @@ from transformers import PreTrainedModel
 
 from ..models import DSparkDraftModel
 from .profiling import RoundProfiler
-from .speculative_rows import Row
+from .speculative_rows import Row, left_padded
 from .static_batch import StaticBatchRounds
 from .static_loop import fast_kernels, kernel_choice, kernels_active
 
@@ -38,7 +38,6 @@ class StaticRows:
             self.rounds = rounds
         kernel, fuse = kernel_choice(target, attention, fuse_projections)
         self._kernels = lambda: kernels_active(target, drafter, kernel, fuse)  # per call: the models are shared
-        self.target, self.drafter, self.device = target, drafter, target.device
         self.owner: list[Row | None] = [None] * max_batch_size  # each row's request
         self.started = False
         self.drafted_last_round = drafter is not None
@@ -75,15 +74,6 @@ class StaticRows:
             groups.append([row])
         return groups
 
-    def _padded(self, rows: list[Row]) -> tuple[torch.LongTensor, torch.Tensor]:
-        width = max(max(len(row.ids) for row in rows), self.span + 1)
-        ids = torch.zeros(len(rows), width, dtype=torch.long)
-        mask = torch.zeros(len(rows), width, dtype=torch.long)
-        for index, row in enumerate(rows):
-            ids[index, width - len(row.ids):] = torch.tensor(row.ids)
-            mask[index, width - len(row.ids):] = 1
-        return ids, mask
-
     @torch.no_grad()
     def add(self, rows: list[Row]) -> list[list[int]]:
         """Gives each of `rows` a free row (one prefill per group of similar lengths); returns the one token each
@@ -94,7 +84,8 @@ class StaticRows:
         rounds, first = self.rounds, {}
         with self._kernels(), self._part("prefill"):
             for group in self._groups(rows):
-                ids, mask = self._padded(group)
+                ids, mask = left_padded(group, min_width=self.span + 1)  # γ + 2: a drafter's first context
+                mask = mask.long()
                 slots, free = free[: len(group)], free[len(group):]
                 if not self.started:  # the first prefill sets up every row; rows without a request stop at once
                     spare = [0] * (self.batch_size - len(group))
