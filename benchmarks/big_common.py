@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import torch
+from common import scratch_dir
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import dspark_hf
@@ -175,7 +176,7 @@ def prepare_fixture(fixture: Path, dtype: str = "float32") -> Path:
                 shutil.copyfileobj(source, sink)
         else:
             shutil.copy(path, staged / path.name)
-    out = Path(tempfile.mkdtemp(prefix="materialized-"))
+    out = scratch_dir("materialized-")
     subprocess.run([sys.executable, str(fixture.parent / "materialize.py"), str(staged), str(out), "--dtype", dtype],
                    check=True, stdout=subprocess.DEVNULL)
     shutil.rmtree(staged.parent)

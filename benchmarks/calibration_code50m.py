@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
-from common import REPO, RESULTS, environment, humaneval_prompts, materialize_fixture, write_json
+from common import REPO, RESULTS, environment, humaneval_prompts, materialize_fixture, scratch_dir, write_json
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import dspark_hf
@@ -38,7 +37,7 @@ def main() -> None:
     target = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(args.device).eval()
     drafter = dspark_hf.DSparkDraftModel.from_pretrained(args.drafter, dtype=torch.float32).to(args.device).eval()
     prompts = [tokenizer(p.rstrip(), return_tensors="pt")["input_ids"] for p in humaneval_prompts(args.prompts)]
-    out = Path(tempfile.mkdtemp(prefix="calibration-"))
+    out = scratch_dir("calibration-")
     try:
         import matplotlib  # noqa: F401  (absent on some GPU machines: then plot later from the saved records)
         plot = True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import gzip
 import json
 import platform
@@ -39,9 +40,17 @@ def environment() -> dict:
     return info
 
 
+def scratch_dir(prefix: str = "dspark-bench-") -> Path:
+    """A new temporary folder that is removed when the process exits (a materialized fixture is ~200 MB: left
+    behind by every benchmark run and test, they filled the disk)."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
 def materialize_fixture(name: str, dtype: str = "float32") -> Path:
-    """The ../shared fixture as a standard HF folder (in a temp dir)."""
-    out = Path(tempfile.mkdtemp(prefix=f"{name}-"))
+    """The ../shared fixture as a standard HF folder (in a temporary folder removed at exit)."""
+    out = scratch_dir(f"{name}-")
     subprocess.run([sys.executable, str(SHARED / "fixtures" / "materialize.py"), name, str(out), "--dtype", dtype],
                    check=True, stdout=subprocess.DEVNULL)
     return out
@@ -95,7 +104,7 @@ def write_report(prefix: str, report: dict, **fields) -> Path:
     """An evaluation report (`run_evaluation`'s output) as RESULTS/<prefix>.json, with its plots as <prefix>_*.png."""
     from dspark_hf.evaluation import plot_report
 
-    for path in plot_report(report, Path(tempfile.mkdtemp())):
+    for path in plot_report(report, scratch_dir()):
         shutil.copy(path, RESULTS / f"{prefix}_{path.name}")
     return write_json(f"{prefix}.json", {**fields, **report})
 

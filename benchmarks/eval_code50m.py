@@ -13,12 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
-from common import (REPO, RESULTS, SHARED, environment, materialize_fixture, stdlib_code_prompts, write_json,
-                    write_report)
+from common import (REPO, RESULTS, SHARED, environment, materialize_fixture, scratch_dir, stdlib_code_prompts,
+                    write_json, write_report)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import dspark_hf
@@ -56,7 +55,7 @@ def main() -> None:
         sweep = run_evaluation(target, tokenizer, {"dspark": drafters["dspark"]}, tasks, temperatures=[1.0],
                                max_new_tokens=args.max_new_tokens, chat=False, baseline=False,
                                threshold_sweep=thresholds)
-        plots = Path(tempfile.mkdtemp())
+        plots = scratch_dir()
         for path in plot_report(sweep, plots):
             if path.name == "threshold_sweep.png":
                 shutil.copy(path, RESULTS / "eval_code50m_threshold_sweep.png")

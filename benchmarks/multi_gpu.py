@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from big_common import (PAPER_TAU_QWEN3_8B, describe, fixture_tau, measure, prepare_fixture,  # noqa: E402
                         qwen3_config, random_checkpoint, random_drafter, random_prompt)
-from common import REPO, SHARED, environment, stdlib_code_prompts  # noqa: E402
+from common import REPO, SHARED, environment, scratch_dir, stdlib_code_prompts  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import dspark_hf  # noqa: E402
@@ -56,7 +56,7 @@ def load(folder: Path, dtype, devices, tp: bool, tied_head_first: bool = False):
     config = json.loads((folder / "config.json").read_text())
     device_map = split_map(config["num_hidden_layers"], devices, tied_head_first)
     return AutoModelForCausalLM.from_pretrained(folder, device_map=device_map, dtype=dtype,
-                                                offload_folder=tempfile.mkdtemp(prefix="offload-")).eval()
+                                                offload_folder=scratch_dir("offload-")).eval()
 
 
 def lossless(folder: Path, drafter_dir: str, devices, tp: bool, prompts: int, new_tokens: int) -> dict:
@@ -175,7 +175,7 @@ def main() -> None:
         print("lossless:", {k: v["all_identical"] for k, v in payload["lossless"].items()}, flush=True)
         save()
     if "device_map" in parts or "tp" in parts:
-        folder = Path(tempfile.mkdtemp(prefix="random-target-"))
+        folder = scratch_dir("random-target-")
         payload["checkpoint"] = random_checkpoint(qwen3_config(args.tiny), torch.float32 if args.tiny
                                                   else torch.bfloat16, folder)
         if "device_map" in parts:

@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from big_common import (PAPER_TAU_QWEN3_8B, describe, fixture_tau, measure, memory, own_bytes,  # noqa: E402
                         qwen3_config, random_checkpoint, random_drafter, random_prompt)
-from common import environment  # noqa: E402
+from common import environment, scratch_dir  # noqa: E402
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig  # noqa: E402
 
 import dspark_hf  # noqa: E402,F401
@@ -45,7 +45,7 @@ def main() -> None:
     dtype = torch.bfloat16 if cuda else torch.float32
 
     config = qwen3_config(args.tiny)
-    folder = Path(tempfile.mkdtemp(prefix="random-target-"))
+    folder = scratch_dir("random-target-")
     checkpoint = random_checkpoint(config, dtype, folder)
     quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
     target = AutoModelForCausalLM.from_pretrained(folder, quantization_config=quantization, dtype=dtype,

@@ -131,3 +131,15 @@ def test_round_stages_benchmark_runs_and_plots(tmp_path):
     assert entry["split_round_ms"] == pytest.approx(sum(entry["stages_ms"].values())) and entry["tau"] >= 1
     round_stages.plot({"smoke": entry}, tmp_path / "stages.png")
     assert (tmp_path / "stages.png").stat().st_size > 0
+
+
+def test_benchmark_scratch_folders_are_removed_when_the_process_exits():
+    """Materialized fixtures (~200 MB each) go to `common.scratch_dir`: left behind by every run, they filled CI's
+    disk once."""
+    import subprocess
+
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from common import scratch_dir; "
+            "path = scratch_dir('scratch-test-'); (path / 'weights.bin').write_bytes(b'0' * 1024); print(path)")
+    printed = subprocess.run([sys.executable, "-c", code, str(round_speed.REPO / "benchmarks")], check=True,
+                             capture_output=True, text=True).stdout.strip()
+    assert printed and not Path(printed).exists()
