@@ -16,6 +16,10 @@
 # Next: the 4B shape interleaved with --repeats 2, split over two calls by --concurrency (1 2 4 8 16 32 | 64 128 256;
 #     cells merge by concurrency when the first call's JSON is carried back in as --out). Six 4B engines at c = 256
 #     hold about 85 GB of KV cache at once.
+# Next, the static engine (DSparkEngine(static=True); not yet run; each concurrency compiles 6 round graphs, so split
+#     it over calls by --concurrency, carrying the first call's JSON back in as --out):
+#     --model code50m --static --max-new-tokens 64 --repeats 3 --requests-per-slot 2 --concurrency 1 2 4 8 16
+#     --model code50m --static --max-new-tokens 64 --repeats 3 --requests-per-slot 2 --concurrency 32 64 128 256
 set -uo pipefail
 export PYTHONPATH=${DSPARK_SRC:-src}
 if [ ! -d ../shared/fixtures/code-llama-50m ]; then
@@ -24,7 +28,12 @@ if [ ! -d ../shared/fixtures/code-llama-50m ]; then
     xz -d ../shared/fixtures/code-llama-50m/*.xz  # carried compressed (the per-call carry limit is 64 MiB)
     cp carry_sched/HumanEval.jsonl.gz ../shared/data/humaneval/
 fi
+if [ ! -f drafters/code50m-dspark/model.safetensors ]; then  # carried compressed too
+    mkdir -p drafters/code50m-dspark && cp carry_sched/code50m-dspark/config.json drafters/code50m-dspark/
+    xz -dc carry_sched/code50m-dspark/model.safetensors.xz > drafters/code50m-dspark/model.safetensors
+fi
 nvidia-smi --query-gpu=name,memory.total --format=csv
 python benchmarks/serving.py "$@" 2>&1 | grep -v Warning | tee "$OUT"/serving.log  # kept as benchmarks/results/serving_<model>_h200.log
-cp benchmarks/results/serving_h200.json benchmarks/results/serving_h200.png "$OUT"/
+cp benchmarks/results/serving_h200.json benchmarks/results/serving_h200.png "$OUT"/ 2>/dev/null || true
+cp benchmarks/results/serving_static_h200.json benchmarks/results/serving_static_h200.png "$OUT"/ 2>/dev/null || true
 cp benchmarks/results/serving_trace_code50m.json "$OUT"/ 2>/dev/null || true

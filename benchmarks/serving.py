@@ -8,6 +8,8 @@ continuous batching.
     PYTHONPATH=src python benchmarks/serving.py --model qwen3-4b-shape   # random init, acceptance replayed (timing)
     # CPU smoke test with tiny random models (writes to a temp dir; never commit its output)
     PYTHONPATH=src python benchmarks/serving.py --model smoke
+    # the engine on static caches (DSparkEngine(static=True), one CUDA graph per round; code50m or smoke):
+    PYTHONPATH=src python benchmarks/serving.py --model code50m --static   # -> results/serving_static_h200.json
 
 Models:
 - `code50m`: the 50M code fixture (bf16) and its trained DSpark drafter (`drafters/code50m-dspark`), HumanEval
@@ -43,6 +45,13 @@ like ours) on the same requests: the padded-vs-paged comparison of docs/serving.
 over every model and concurrency: `scheduler_vs_best_static_min_ratio` (hardware-aware / best of fixed γ ∈ {1,3,7}
 and static threshold) and `scheduler_vs_nospec_min_ratio` (hardware-aware / no speculation); the `steady_` keys are
 the same from `steady_tokens_per_second`.
+
+`--static` measures `DSparkEngine(static=True)` instead (greedy; policies no_spec, fixed γ ∈ {1, 3, 7} and its
+hardware-aware choice among plain rounds and 1, 3 or 7 verified drafts; no static threshold, no trace replay: its
+rounds are graphs). Its rounds compile once per shape, so each concurrency keeps two engines for all its runs, warm-up
+included: a plain one (no drafter) and a speculative one whose policy is switched between runs
+(`StaticRows.set_policy`), whose hardware-aware chooser lives across that concurrency's runs. The cells run one after
+another (`--sequential` is implied): the speculative policies share one engine.
 """
 
 from __future__ import annotations
@@ -410,6 +419,64 @@ def round_breakdown(target, drafter, prompts, concurrency: int, setting: dict, a
                 ms_per_round={k: round(v, 3) for k, v in engine.round_profile().items()})
 
 
+def run_eager_cells(target, drafter, prompts, concurrency: int, chosen: dict[str, dict], args, sps_table, trace,
+                    recorded: list[AcceptanceTrace]) -> dict[str, list[dict]]:
+    """Each policy's warm-up run at this shape (kernel selection, Triton specialisation), then `--repeats` runs of
+    every policy, interleaved (or one after another with `--sequential`); the first run of fixed γ = 7 is recorded
+    as an acceptance trace (into `recorded`) when no trace is replayed."""
+    for setting in chosen.values():
+        run_cell(target, drafter, prompts, concurrency, setting, warm_up_args(args), sps_table, trace)
+    runs: dict[str, list[dict]] = {name: [] for name in chosen}
+    for repeat in range(args.repeats):
+        record = "fixed_7" if drafter.config.num_draft_slots == 7 and trace is None and repeat == 0 else None
+        if args.sequential:
+            for name, setting in chosen.items():
+                runs[name].append(run_cell(target, drafter, prompts, concurrency, setting, args, sps_table, trace,
+                                           recorded if name == record else None))
+            continue
+        cells, trace_part = run_interleaved(target, drafter, prompts, concurrency, chosen, args, sps_table, trace,
+                                            record)
+        for name, cell in cells.items():
+            runs[name].append(cell)
+        if trace_part is not None:
+            recorded.append(trace_part)
+    return runs
+
+
+def run_static_cells(target, drafter, prompts, concurrency: int, names: list[str], args) -> dict[str, list[dict]]:
+    """`--static`: each of `names`' warm-up run, then `--repeats` runs of each, one after another, on two engines kept
+    for this concurrency (see the module docstring)."""
+    longest = max(map(len, prompts)) + max(request_lengths(concurrency * args.requests_per_slot, args))
+    engines = {kind: DSparkEngine(target, drafter if kind == "speculative" else None, static=True,
+                                  policy="hardware_aware" if kind == "speculative" else "none",
+                                  max_batch_size=concurrency, max_model_len=longest + 8)
+               for kind in ("plain", "speculative")}
+    chooser = engines["speculative"].runner.chooser
+
+    def engine_for(name: str) -> DSparkEngine:
+        if name == "no_spec":
+            return engines["plain"]
+        engine = engines["speculative"]
+        if name == "hardware_aware":
+            engine.runner.set_policy(chooser=chooser)
+        else:
+            engine.runner.set_policy(verify=int(name.removeprefix("fixed_")))
+        return engine
+
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    for repeat in range(-1, args.repeats):  # -1: the warm-up run (compiles this concurrency's graphs)
+        for name in names:
+            engine = engine_for(name)
+            engine.round_log.clear()
+            handles, seconds = drive(engine, prompts, concurrency, warm_up_args(args) if repeat < 0 else args)
+            if repeat >= 0:
+                cell = cell_result(engine, handles, seconds, concurrency)
+                if name == "hardware_aware":
+                    cell["chooser"] = {str(k): v for k, v in chooser.summary().items()}
+                runs[name].append(cell)
+    return runs
+
+
 # ---------------------------------------------------------------------------------------------------- report
 def merge_cells(earlier: dict[str, list[dict]], new: dict[str, list[dict]]) -> dict[str, list[dict]]:
     """Per policy, cells by concurrency: a new cell replaces an earlier one at the same concurrency (runs split over
@@ -496,8 +563,15 @@ def main() -> None:
                         "hardware_aware (default: all)")
     parser.add_argument("--breakdown-at", type=int, nargs="*", default=[1, 32, 256], help="none: skip the breakdown")
     parser.add_argument("--no-paged", dest="paged", action="store_false", help="skip transformers' paged baseline")
-    parser.add_argument("--out", help="JSON path (default benchmarks/results/serving_h200.json; temp dir for smoke)")
+    parser.add_argument("--static", action="store_true",
+                        help="DSparkEngine(static=True): one CUDA graph per round (code50m or smoke; see the docstring)")
+    parser.add_argument("--out", help="JSON path (default benchmarks/results/serving_h200.json, serving_static_h200.json "
+                        "with --static; a temp dir for smoke)")
     args = parser.parse_args()
+    if args.static and args.model == "qwen3-4b-shape":
+        parser.error("--static runs code50m or smoke: replaying a trace needs the eager engine's rounds")
+    if args.static:  # each concurrency's engines compile their rounds anew: one dynamo entry per round and engine
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * len(args.concurrency))
 
     trace = None
     if args.model == "smoke":
@@ -509,15 +583,17 @@ def main() -> None:
         table = dict(batch_tokens=(1, 4, 16, 64), context_length=16, repeats=2)
     else:
         target, drafter, prompts = load_models(args.model, getattr(torch, args.dtype), args.device)
-        out = Path(args.out) if args.out else RESULTS / "serving_h200.json"
+        out = Path(args.out) if args.out else RESULTS / ("serving_static_h200.json" if args.static
+                                                         else "serving_h200.json")
         table = SPS_PROFILE
         if args.model == "qwen3-4b-shape":
             trace = AcceptanceTrace.load(TRACE)
-    with torch.inference_mode():
-        sps_table = SPSTable.profile(target, model_name=args.model, progress=False, **table)
+    sps_table = None  # the static engine measures its own round times
+    if not args.static:
+        with torch.inference_mode():
+            sps_table = SPSTable.profile(target, model_name=args.model, progress=False, **table)
     gamma_max = drafter.config.num_draft_slots
 
-    warm_up = warm_up_args(args)
     results: dict[str, list[dict]] = {}
     recorded: list[AcceptanceTrace] = []
     breakdown, paged = [], []
@@ -530,11 +606,12 @@ def main() -> None:
             settings=dict(dtype="float32" if args.model == "smoke" else args.dtype, max_new_tokens=args.max_new_tokens,
                           temperature=0.0, ignore_eos=True, threshold=args.threshold, concurrency=args.concurrency,
                           requests_per_slot=args.requests_per_slot, repeats=args.repeats,
-                          protocol="sequential" if args.sequential else "interleaved",
+                          protocol="sequential" if args.sequential or args.static else "interleaved",
+                          engine="static (DSparkEngine(static=True))" if args.static else "eager",
                           length_spread=args.length_spread,
                           prompts="random ids" if args.model == "smoke" else "HumanEval (code50m tokenizer)",
                           acceptance="replayed from serving_trace_code50m.json (timing only)" if trace is not None
-                          else "real", sps_table=sps_table.to_dict()),
+                          else "real", sps_table=sps_table.to_dict() if sps_table is not None else None),
             results=merge_cells(earlier.get("results", {}), results),
             hf_paged=[p for p in paged if "error" not in p] or earlier.get("hf_paged", []),
             hf_paged_error=next((p["error"] for p in paged if "error" in p), earlier.get("hf_paged_error")),
@@ -551,26 +628,15 @@ def main() -> None:
               flush=True)
 
     chosen = {name: setting for name, setting in policies(args.threshold, gamma_max).items()
-              if not args.policies or name in args.policies}
+              if (not args.policies or name in args.policies) and not (args.static and name == "static_threshold")}
     with torch.inference_mode():
         # concurrency outside, policies inside: the policies compared at one concurrency run minutes apart at most
         for concurrency in args.concurrency:
-            for name, setting in chosen.items():  # warm-up at this shape (kernel selection, Triton specialisation)
-                run_cell(target, drafter, prompts, concurrency, setting, warm_up, sps_table, trace)
-            runs: dict[str, list[dict]] = {name: [] for name in chosen}
-            for repeat in range(args.repeats):
-                record = "fixed_7" if gamma_max == 7 and trace is None and repeat == 0 else None
-                if args.sequential:
-                    for name, setting in chosen.items():
-                        runs[name].append(run_cell(target, drafter, prompts, concurrency, setting, args, sps_table,
-                                                   trace, recorded if name == record else None))
-                    continue
-                cells, trace_part = run_interleaved(target, drafter, prompts, concurrency, chosen, args, sps_table,
-                                                    trace, record)
-                for name, cell in cells.items():
-                    runs[name].append(cell)
-                if trace_part is not None:
-                    recorded.append(trace_part)
+            if args.static:
+                runs = run_static_cells(target, drafter, prompts, concurrency, list(chosen), args)
+            else:
+                runs = run_eager_cells(target, drafter, prompts, concurrency, chosen, args, sps_table, trace,
+                                       recorded)
             for name, cells in runs.items():
                 cell = sorted(cells, key=lambda c: c["tokens_per_second"])[len(cells) // 2]
                 cell = dict(cell, tokens_per_second_runs=[c["tokens_per_second"] for c in cells])
@@ -587,12 +653,12 @@ def main() -> None:
                                          torch.cat([t.accepted for t in recorded]), prompts)
                 merged.save(TRACE if args.model == "code50m" else out.with_name("serving_trace_smoke.json"))
             save()
-        for c in args.breakdown_at:
+        for c in args.breakdown_at if not args.static else ():  # a static round is one graph: no parts
             for name in ("no_spec", "hardware_aware"):
                 setting = policies(args.threshold, gamma_max)[name]
                 breakdown.append(round_breakdown(target, drafter, prompts, c, setting, args, sps_table, trace))
     save()
-    for concurrency in args.concurrency if args.paged else ():  # transformers' manager: its own thread, no_grad
+    for concurrency in args.concurrency if args.paged and not args.static else ():  # transformers' manager: its own thread, no_grad
         try:
             paged.append(run_paged(target, prompts, concurrency, args))
         except Exception as error:  # noqa: BLE001 - recorded, the rest of the benchmark stands

@@ -8,14 +8,14 @@ import random
 import pytest
 import torch
 from test_generation_sampling import ALPHA, NEW_TOKENS, VOCAB, chi_square_p_value, exact_distribution, oracle_drafter
-from test_static_batch import reference_drafts
+from test_static_batch import assert_drafter_cache_holds_context, reference_drafts
 from tiny_models import install_bigram_oracle, make_bigram_like, tiny_drafter, tiny_target
 from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import WordLevel
 from transformers import LogitsProcessorList, PreTrainedTokenizerFast, TemperatureLogitsWarper
 
 import dspark_hf  # noqa: F401
-from dspark_hf.scheduling import SpeculationGuard, SPSTable
+from dspark_hf.scheduling import RoundWidthChooser, SpeculationGuard, SPSTable
 from dspark_hf.serving import DSparkEngine
 
 VOCAB_SIZE = 48
@@ -357,15 +357,34 @@ def test_round_profile_splits_each_round_and_changes_nothing(models, policy):
         DSparkEngine(target, drafter).round_profile()
 
 
-@pytest.mark.parametrize("with_drafter", [True, False], ids=["dspark", "plain"])
-def test_static_engine_serves_arrivals_and_cancellations_exactly(models, with_drafter):
+class RandomWidths(RoundWidthChooser):
+    """Verifies a random number of drafts each round, whatever the timings: none (a plain round) with probability
+    `plain_share`, else any of the other widths."""
+
+    def __init__(self, widths, seed: int, plain_share: float = 0.25):
+        super().__init__(widths)
+        self.rng, self.plain_share = random.Random(seed), plain_share
+
+    def choose(self) -> int:
+        return 0 if self.rng.random() < self.plain_share else self.rng.choice(self.widths[1:])
+
+
+STATIC_SETTINGS = {"fixed": dict(policy="fixed"), "fixed_gamma_2": dict(policy="fixed", gamma=2),
+                   "hardware_aware": dict(policy="hardware_aware"), "random_widths": dict(policy="hardware_aware"),
+                   "plain": dict(policy="none")}
+
+
+@pytest.mark.parametrize("setting", list(STATIC_SETTINGS))
+def test_static_engine_serves_arrivals_and_cancellations_exactly(models, setting):
     """DSparkEngine(static=True): requests of random lengths arrive at random rounds and take free rows of the static
     caches, some are cancelled; every finished request equals its solo greedy generate() (a cancelled one, a prefix
-    of it), and rows accept different numbers of drafts."""
+    of it), and rows accept different numbers of drafts. With every policy: all drafts, 2 of them, the hardware-aware
+    choice among plain rounds and 1, 3 or γ drafts (on this CPU's timings), and random such choices."""
     target, drafter = models
-    engine = DSparkEngine(target, drafter if with_drafter else None, max_batch_size=4, max_model_len=64,
-                          policy="fixed" if with_drafter else "none", static=True,
-                          default_sampling={"temperature": 0})
+    engine = DSparkEngine(target, drafter, max_batch_size=4, max_model_len=64, static=True,
+                          default_sampling={"temperature": 0}, **STATIC_SETTINGS[setting])
+    if setting == "random_widths":
+        engine.runner.chooser = RandomWidths(engine.runner.chooser.widths, seed=3)
     rng = random.Random(7)
     handles, pending = [], 20
     while pending or engine.has_unfinished():
@@ -388,17 +407,87 @@ def test_static_engine_serves_arrivals_and_cancellations_exactly(models, with_dr
         else:
             assert out.token_ids == expected
     assert cancelled > 0
-    if with_drafter:
+    verified = {entry["verify"][0] for entry in engine.round_log}
+    expected = {"fixed": {drafter.config.num_draft_slots}, "fixed_gamma_2": {2}, "plain": {0}}.get(
+        setting, {0, 1, 3, drafter.config.num_draft_slots})
+    assert verified == expected
+    assert all(len(set(entry["verify"])) == 1 for entry in engine.round_log)  # one width per round
+    if setting != "plain":
         assert any(len(set(entry["accepted"])) > 1 for entry in engine.round_log)
+
+
+def test_static_engine_drafts_from_each_requests_whole_context_across_plain_rounds(models):
+    """Plain rounds put their features in the drafter's pending context, which the rows flush when full: with random
+    widths and requests joining finished ones' rows, every drafting round proposes, for every request, what the
+    drafter proposes given its whole committed context (a random drafter: its drafts depend on all of it), and after
+    every round each request's row of the drafter cache holds exactly its context's K/V."""
+    target, _ = models
+    drafter = tiny_drafter(target, block_size=5, seed=3)
+    engine = DSparkEngine(target, drafter, max_batch_size=3, max_model_len=64, static=True, policy="hardware_aware")
+    runner = engine.runner
+    runner.chooser = RandomWidths(runner.chooser.widths, seed=5, plain_share=0.7)  # runs of plain rounds
+    step, checked = runner.step, []
+
+    def checked_step():
+        before = {slot: list(row.ids) for slot, row in enumerate(runner.owner) if row is not None}
+        committed = step()
+        if runner.drafted_last_round:
+            for slot, ids in before.items():
+                assert runner.rounds.drafts[slot].tolist() == reference_drafts(target, drafter, ids[:-1], ids[-1])
+            checked.append(len(before))
+        for slot, row in enumerate(runner.owner):
+            if row is not None:
+                assert_drafter_cache_holds_context(runner.rounds, slot, row.ids)
+        return committed
+
+    runner.step = checked_step
+    flush, flushes = runner.rounds.flush, []
+    runner.rounds.flush = lambda: flushes.append(flush())
+    rng = random.Random(11)
+    handles = [engine.add_request([rng.randrange(4, VOCAB_SIZE) for _ in range(rng.randint(1, 12))],
+                                  max_tokens=rng.randint(8, 30)) for _ in range(7)]
+    engine.run()
+    for handle in handles:
+        assert handle.tokens == solo(target, handle.prompt_ids, handle.params.max_tokens)
+    plain = [entry for entry in engine.round_log if not entry["speculative"]]
+    assert len(checked) > 10 and len(plain) > 5 and flushes
+
+
+def test_static_engine_compiles_one_graph_per_width():
+    """fullgraph=True: each number of verified drafts (plain rounds included) and the flush trace as one graph each,
+    once, while requests come and go; the outputs are still the solo greedy ones. (One target family: tracing takes
+    half a minute.)"""
+    from test_static_loop import counting_backend
+
+    target = make_bigram_like(tiny_target("qwen3", vocab_size=VOCAB_SIZE, eos_token_id=EOS))
+    drafter = install_bigram_oracle(tiny_drafter(target, block_size=7, markov_rank=VOCAB_SIZE), target)
+    compilations, backend = counting_backend()
+    torch._dynamo.reset()
+    engine = DSparkEngine(target, drafter, max_batch_size=2, max_model_len=64, static=True, policy="hardware_aware",
+                          static_compile=dict(backend=backend, fullgraph=True, dynamic=False))
+    engine.runner.chooser = RandomWidths(engine.runner.chooser.widths, seed=2, plain_share=0.5)
+    rng = random.Random(3)
+    handles = [engine.add_request([rng.randrange(4, VOCAB_SIZE) for _ in range(rng.randint(1, 10))],
+                                  max_tokens=rng.randint(10, 30)) for _ in range(5)]
+    engine.run()
+    for handle in handles:
+        assert handle.tokens == solo(target, handle.prompt_ids, handle.params.max_tokens)
+    widths = {entry["verify"][0] for entry in engine.round_log}
+    assert widths == set(engine.runner.chooser.widths)
+    assert len(compilations) == len(widths) + 1  # + the flush
 
 
 def test_static_engine_refuses_what_it_does_not_do(models):
     target, drafter = models
     with pytest.raises(ValueError, match="max_model_len"):
         DSparkEngine(target, drafter, static=True, policy="fixed")
-    with pytest.raises(ValueError, match="every draft"):
+    with pytest.raises(ValueError, match="measures its own round times"):
         DSparkEngine(target, drafter, static=True, max_model_len=64, policy="hardware_aware",
                      sps_table=SPSTable([1, 4], [1.0, 0.9]))
+    with pytest.raises(ValueError, match="not 'static_threshold'"):
+        DSparkEngine(target, drafter, static=True, max_model_len=64, policy="static_threshold")
+    with pytest.raises(ValueError, match="gamma applies"):
+        DSparkEngine(target, drafter, static=True, max_model_len=64, policy="fixed", gamma=99)
     engine = DSparkEngine(target, drafter, static=True, max_model_len=64, policy="fixed")
     with pytest.raises(ValueError, match="greedy requests only"):
         engine.add_request([5, 6], temperature=0.8)

@@ -1,8 +1,11 @@
-"""SpeculationGuard: drafts only while a speculative round commits more tokens per plain round of time, per bucket."""
+"""SpeculationGuard: drafts only while a speculative round commits more tokens per plain round of time, per bucket.
+RoundWidthChooser: the static rounds' number of verified drafts, from measured round times and acceptance."""
+
+import random
 
 import pytest
 
-from dspark_hf.scheduling import SpeculationGuard, SPSTable
+from dspark_hf.scheduling import RoundWidthChooser, SpeculationGuard, SPSTable
 
 
 def drive(guard: SpeculationGuard, rounds: int, batch: int, cost, tokens_per_row, plain_seconds=lambda i: 1.0,
@@ -126,3 +129,75 @@ def test_rounds_without_tokens_are_ignored_and_arguments_checked():
         SpeculationGuard(probe_every=1)
     with pytest.raises(ValueError):
         SpeculationGuard(probe_every=16, max_probe_every=8)
+
+
+def drive_widths(chooser: RoundWidthChooser, rounds: int, seconds: dict, hazards: list[float], rows: int = 16,
+                 seed: int = 0) -> list[int]:
+    """`rounds` rounds: width v takes `seconds[v]` (ten times longer the first two times: compilation), and each of
+    `rows` rows accepts draft j (given drafts < j) with probability `hazards[j - 1]`."""
+    rng = random.Random(seed)
+    runs, chosen = dict.fromkeys(seconds, 0), []
+    for _ in range(rounds):
+        width = chooser.choose()
+        runs[width] += 1
+        accepted = []
+        for _ in range(rows):
+            count = 0
+            while count < width and rng.random() < hazards[count]:
+                count += 1
+            accepted.append(count)
+        chooser.record(width, seconds[width] * (10 if runs[width] <= 2 else 1), accepted)
+        chosen.append(width)
+    return chosen
+
+
+def test_width_chooser_estimates_acceptance_from_verified_drafts():
+    chooser = RoundWidthChooser((0, 2, 4), decay=1.0)
+    chooser.record(4, 1.0, [0, 1, 4, 4])  # draft 1 reached 4x, accepted 3x; draft 2: 3, 2; draft 3: 2, 2; 4: 2, 2
+    chooser.record(2, 1.0, [2, 1])  # a round verifying 2: draft 1 reached 2, accepted 2; draft 2: 2, 1
+    assert chooser.survival().tolist() == pytest.approx([5 / 6, 5 / 6 * 3 / 5, 5 / 6 * 3 / 5, 5 / 6 * 3 / 5])
+    assert chooser.expected_tokens(0) == 1.0
+    assert chooser.expected_tokens(2) == pytest.approx(1 + 5 / 6 + 1 / 2)
+    chooser.record(0, 1.0, [0, 0, 0])  # plain rounds carry no acceptance
+    assert chooser.survival().tolist() == pytest.approx([5 / 6, 1 / 2, 1 / 2, 1 / 2])
+
+
+@pytest.mark.parametrize("seconds, hazards, best", [
+    ({0: 1.0, 1: 1.2, 3: 1.5, 7: 2.0}, [0.9] * 7, 7),  # cheap verification, good drafts: all of them
+    ({0: 1.0, 1: 1.6, 3: 2.2, 7: 4.0}, [0.5] * 7, 0),  # drafting costs more than it brings: plain rounds
+    ({0: 1.0, 1: 1.3, 3: 1.5, 7: 3.5}, [0.8] * 7, 3),  # a middle width
+])
+def test_width_chooser_settles_on_the_fastest_width_and_refreshes_the_others(seconds, hazards, best):
+    chooser = RoundWidthChooser(tuple(seconds), refresh_every=50)
+    chosen = drive_widths(chooser, 600, seconds, hazards)
+    assert chosen[:20] == [width for width in sorted(seconds) for _ in range(5)]  # 2 warm-up + 3 timed each
+    settled = chosen[20:]
+    assert settled.count(best) > 0.95 * len(settled)
+    assert set(settled) == set(seconds)  # the others are run again now and then
+    expected = {v: (1 + sum(_survival(hazards)[:v])) / seconds[v] for v in seconds}
+    assert max(expected, key=expected.get) == best  # the case is what it claims
+
+
+def _survival(hazards):
+    out, product = [], 1.0
+    for h in hazards:
+        product *= h
+        out.append(product)
+    return out
+
+
+def test_width_chooser_follows_a_change_of_acceptance():
+    seconds = {0: 1.0, 1: 1.2, 3: 1.5, 7: 2.0}
+    chooser = RoundWidthChooser(tuple(seconds), refresh_every=20, max_refresh_every=160)
+    assert drive_widths(chooser, 300, seconds, [0.9] * 7)[-50:].count(7) >= 48
+    hard = drive_widths(chooser, 300, seconds, [0.1] * 7, seed=1)  # the text got hard: plain rounds win
+    assert hard[-50:].count(0) >= 46  # (the change of choice restarted the others' refreshes at 20 rounds)
+
+
+def test_width_chooser_refuses_bad_settings():
+    with pytest.raises(ValueError, match="widths"):
+        RoundWidthChooser(())
+    with pytest.raises(ValueError, match="window >= samples"):
+        RoundWidthChooser((0, 1), samples=5, window=3)
+    with pytest.raises(ValueError, match="max_refresh_every"):
+        RoundWidthChooser((0, 1), refresh_every=64, max_refresh_every=32)

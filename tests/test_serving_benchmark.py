@@ -85,3 +85,22 @@ def test_interleaved_cells_replay_a_trace_per_engine(models):
                                               trace=trace_accepting(7, prompts))
     assert recorded is None and cells["no_spec"]["tau"] == 1.0 and 4.0 <= cells["fixed_7"]["tau"] <= 8.0
     assert "draft" not in vars(drafter)  # every patch was taken off again
+
+
+@torch.inference_mode()
+def test_static_cells_run_every_policy_on_two_kept_engines(models):
+    """`--static`: each policy's runs (warm-up first) on the concurrency's two engines; fixed γ verifies γ drafts per
+    round, no speculation none, the hardware-aware chooser any of its widths, and every request gets its length."""
+    target, drafter, prompts = models
+    args = argparse.Namespace(**vars(ARGS), repeats=2)
+    names = ["no_spec", "fixed_1", "fixed_3", "fixed_7", "hardware_aware"]
+    runs = serving.run_static_cells(target, drafter, prompts, 2, names, args)
+    lengths = serving.request_lengths(4, ARGS)
+    for name in names:
+        assert len(runs[name]) == 2
+        for cell in runs[name]:
+            assert cell["generated_tokens"] == sum(lengths) and cell["tokens_per_second"] > 0
+            widths = {int(k) for k in cell["verify_length_histogram"]}
+            expected = {"no_spec": {0}, "hardware_aware": {0, 1, 3, 7}}.get(name) or {int(name.split("_")[1])}
+            assert widths <= expected and widths
+    assert set(runs["hardware_aware"][-1]["chooser"]) == {"0", "1", "3", "7"}

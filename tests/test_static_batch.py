@@ -83,6 +83,25 @@ def reference_drafts(target, drafter, sequence: list[int], anchor: int) -> list[
     return proposal.tokens[0].tolist()
 
 
+def assert_drafter_cache_holds_context(rounds: StaticBatchRounds, row: int, ids: list[int]) -> None:
+    """Row `row`'s drafter-cache columns before its `context_column` hold exactly the K/V that a drafter forward over
+    the target features of `ids` (the row's committed tokens) writes on a fresh cache: finer than comparing drafts,
+    which a small error in a few columns need not change."""
+    pad, written = int(rounds.pad[row]), int(rounds.context_column[row])
+    tap = TargetLayerTap(rounds.target, rounds.drafter.config.target_layer_ids)
+    with torch.no_grad(), tap:
+        rounds.target(input_ids=torch.tensor([ids[: written - pad]]))
+        features = tap.features()
+    cache, count = DynamicCache(), written - pad
+    with torch.no_grad():
+        rounds.drafter(input_ids=torch.tensor([[rounds.drafter.config.mask_token_id]]), target_hidden_states=features,
+                       past_key_values=cache, context_position_ids=torch.arange(count)[None],
+                       position_ids=torch.tensor([[count]]))
+    for layer, fresh in zip(rounds.drafter_cache.layers, cache.layers):
+        assert torch.allclose(layer.keys[row, :, pad:written], fresh.keys[0], atol=1e-5)
+        assert torch.allclose(layer.values[row, :, pad:written], fresh.values[0], atol=1e-5)
+
+
 def test_each_row_drafts_from_exactly_its_committed_context(target):
     """Output equality cannot see the drafter's context (drafts change only what is accepted): a random drafter,
     whose drafts depend on every context feature, must propose what it proposes given the row's whole context."""
@@ -102,6 +121,47 @@ def test_each_row_drafts_from_exactly_its_committed_context(target):
                 assert rounds.drafts[row].tolist() == reference_drafts(target, model, contexts[row],
                                                                        committed[row][-1])
                 committed[row] += tokens[: accepted + 1]
+
+
+def test_rounds_of_any_width_and_plain_rounds_keep_the_drafter_context_whole(target):
+    """`DSparkEngine(static=True)`'s rounds: each verifies v in 0..γ drafts of every row (v = 0, a plain round, puts
+    its target features in the drafter's pending context; `flush()` writes a full one into the drafter cache). In a
+    random order of them, every drafting round proposes what the drafter proposes given each row's whole committed
+    context, and the rows commit their solo greedy tokens."""
+    import random
+
+    rng = random.Random(4)
+    random_drafter = tiny_drafter(target, block_size=5, seed=3)
+    oracle = install_bigram_oracle(tiny_drafter(target, block_size=5, markov_rank=VOCAB_SIZE), target, scale=3.0)
+    prompts = random_batches(VOCAB_SIZE, count=1, size=4, seed=9)[0]
+    ids, mask = left_padded(prompts)
+    for model in (random_drafter, oracle):
+        rounds = StaticBatchRounds(target, model, len(prompts), capacity=ids.shape[1] + 96)
+        rounds.prefill(ids, mask)
+        span = rounds.width
+        committed = [[token] for token in rounds.record[:, 1].tolist()]
+        pending = [span] * len(prompts)  # a prefill leaves its last γ + 1 features pending
+        widths, flushes = [], 0
+        while min(map(len, committed)) < 40:
+            verify = rng.choice([0, 0, 0, 1, 3, span - 1])
+            contexts = [prompt + row[:-1] for prompt, row in zip(prompts, committed)]
+            with torch.no_grad(), rounds.tap:
+                if verify == 0 and max(pending) >= span:
+                    rounds.flush()
+                    pending, flushes = [0] * len(prompts), flushes + 1
+                rounds.greedy_round(verify)()
+            for row, (accepted, *tokens) in enumerate(rounds.record.tolist()):
+                if verify > 0:
+                    assert rounds.drafts[row].tolist() == reference_drafts(target, model, contexts[row],
+                                                                           committed[row][-1])
+                assert accepted <= verify
+                committed[row] += tokens[: accepted + 1]
+                pending[row] = pending[row] + 1 if verify == 0 else accepted + 1
+                assert_drafter_cache_holds_context(rounds, row, prompts[row] + committed[row])
+            widths.append(verify)
+        assert flushes > 0 and {0, 1, 3, span - 1} <= set(widths)
+        for prompt, row in zip(prompts, committed):
+            assert row[:40] == solo(target, prompt, 40)
 
 
 def test_an_admitted_row_drafts_from_exactly_its_committed_context(target):

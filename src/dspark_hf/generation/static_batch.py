@@ -20,12 +20,18 @@ by the exponential race on noise drawn before the round, so no generator runs in
 `dspark_hf.verify` after it. `drafter=None` decodes plainly on the same caches: the fast plain baseline at batch B.
 A row stops at its first eos or after `max_new_tokens`; rows that have stopped keep computing (their tokens are
 dropped) until all have. Greedy rows equal their solo plain `generate()` in float32, sampled rows follow the target's
-distribution (tests/test_static_batch.py). Attention runs through the models' own implementation with a 4D mask
-(SDPA by default); the batch-1 loop's Triton kernel is not used.
+distribution (tests/test_static_batch.py). Attention: on CUDA by default the batch-1 loop's static-cache Triton
+kernel, which takes each row's additive mask, with fused projections (`static_loop.fast_kernels`); elsewhere the
+models' own implementation with a 4D mask (SDPA by default).
+
+For `DSparkEngine(static=True)`, greedy rounds can also verify fewer drafts (`greedy_round(v)`, one graph per v) or
+none: a plain round then appends its target features to the drafter's pending context (up to γ + 1 columns, which
+`flush()` writes into the drafter cache), so that the next speculative round drafts from the whole context.
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -157,13 +163,43 @@ class StaticBatchRounds:
             self.step = self._sampled_plain_round if drafter is None else self._sampled_dspark_round
         else:
             self.step = self._plain_round if drafter is None else self._dspark_round
-        self.compiled = self.step
+        self.compile_options = None
         if compile:
             for buffer in (self.pad, self.anchor, self.column, self.context_column, self.active, self.record,
                            self.drafts):
                 torch._dynamo.mark_static_address(buffer)
-            options = compile if isinstance(compile, dict) else dict(mode="reduce-overhead", dynamic=False)
-            self.compiled = torch.compile(self.step, **options)
+            self.compile_options = compile if isinstance(compile, dict) else dict(mode="reduce-overhead",
+                                                                                 dynamic=False)
+        self.compiled = self._compiled(self.step)
+        self._greedy_rounds: dict[int | str, Callable[[], None]] = {}
+
+    def _compiled(self, function: Callable) -> Callable:
+        return function if self.compile_options is None else torch.compile(function, **self.compile_options)
+
+    def greedy_round(self, verify: int) -> Callable[[], None]:
+        """The greedy round that verifies the first `verify` of each row's drafts (0: a plain round, which with a
+        drafter also appends its target features to the drafter's pending context; call `flush()` first when a
+        row's pending context is full), compiled like `compiled`; one graph per `verify`."""
+        if self.drafter is None and verify != 0:
+            raise ValueError("plain decoding rounds (no drafter) verify no drafts.")
+        if not 0 <= verify < self.width:
+            raise ValueError(f"verify must be in 0..{self.width - 1}, got {verify}.")
+        if verify not in self._greedy_rounds:
+            if self.drafter is None:
+                round_ = self._plain_round
+            elif verify == 0:
+                round_ = self._plain_round_with_context
+            else:
+                round_ = functools.partial(self._dspark_round, verify)
+            self._greedy_rounds[verify] = self._compiled(round_)
+        return self._greedy_rounds[verify]
+
+    def flush(self) -> None:
+        """Writes every row's pending drafter context (the target features from `context_column` up to its anchor's
+        column) into the drafter cache and empties it (compiled like `compiled`)."""
+        if "flush" not in self._greedy_rounds:
+            self._greedy_rounds["flush"] = self._compiled(self._flush_context)
+        self._greedy_rounds["flush"]()
 
     # ------------------------------------------------------------------ target
     def _target_forward(self, ids: torch.LongTensor, first_column: torch.Tensor):
@@ -253,17 +289,41 @@ class StaticBatchRounds:
         """`noise` [B, V] ~ Exp(1): each row's next token by the exponential race on its processed distribution."""
         self._plain_step(lambda logits: race(processed_scores(logits, temperatures, top_ks, top_ps).softmax(-1), noise))
 
-    def _plain_step(self, choose: Callable[[torch.Tensor], torch.LongTensor]) -> None:
-        logits, _ = self._target_forward(self.anchor[:, None], self.column)
+    def _plain_step(self, choose: Callable[[torch.Tensor], torch.LongTensor]) -> torch.Tensor | None:
+        """-> the anchors' target features [B, 1, K·H] (None without a drafter)."""
+        logits, features = self._target_forward(self.anchor[:, None], self.column)
         token = choose(logits[:, -1])
         self.record[:, 0] = 0
         self.record[:, 1] = token
         self.anchor.copy_(token)
         self.column.add_(self.active)
+        return features
 
-    def _draft_and_score(self, select) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _plain_round_with_context(self) -> None:
+        """A greedy plain round that also appends each row's anchor features to its pending drafter context, at
+        entry column - context_column of `features` (< γ + 1 for every running row: `flush()` before when full)."""
+        column = self.column.clone()  # before the round moves it
+        features = self._plain_step(argmax_last)
+        entry = (column - self.context_column).clamp(max=self.width - 1)  # rows that have stopped may be full
+        self.features.scatter_(1, entry[:, None, None].expand(-1, 1, features.shape[-1]),
+                               features.to(self.features.dtype))
+
+    def _flush_context(self) -> None:
+        drafter, device = self.drafter, self.anchor.device
+        self.drafter_cache.move_to(self.context_column)
+        block = torch.full((self.pad.shape[0], 1), drafter.config.mask_token_id, dtype=torch.long, device=device)
+        mask = visible_columns(self.pad, self.column, 1, self.capacity + 1, False, drafter.compute_dtype)
+        context_positions = (self.context_column - self.pad)[:, None] + torch.arange(self.width, device=device)
+        drafter(input_ids=block, target_hidden_states=self.features, past_key_values=self.drafter_cache,
+                context_position_ids=context_positions.clamp(min=0), position_ids=(self.column - self.pad)[:, None],
+                attention_mask=mask)  # the block token's output is not used: only the context K/V written
+        self.context_column.copy_(self.column)
+
+    def _draft_and_score(self, select, verify: int | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Drafts γ tokens per row (`select` as `DSparkDraftModel.draft_tokens` takes it) and runs the target over
-        [anchor, drafts] -> (drafts [B, γ], their q logits, target logits [B, γ + 1, V], target features)."""
+        [anchor, the first `verify` drafts (default: all)] -> (those drafts [B, v], their q logits, target logits
+        [B, v + 1, V], target features)."""
         drafter, device = self.drafter, self.anchor.device
         block = drafter.config.block_size
         # the previous verify features are context up to the anchor's column; the rest is hidden, then overwritten
@@ -277,13 +337,13 @@ class StaticBatchRounds:
             context_position_ids=context_positions.clamp(min=0), attention_mask=mask)
         proposal = drafter.draft_tokens(self.anchor, hidden, base_logits, select)
         self.drafts.copy_(proposal.tokens)
-        ids = torch.cat([self.anchor[:, None], proposal.tokens], dim=1)
-        logits, features = self._target_forward(ids, self.column)
-        return proposal.tokens, proposal.logits, logits, features
+        drafts, q_logits = proposal.tokens[:, :verify], proposal.logits[:, :verify]
+        logits, features = self._target_forward(torch.cat([self.anchor[:, None], drafts], dim=1), self.column)
+        return drafts, q_logits, logits, features
 
-    def _dspark_round(self) -> None:
-        drafts, _, logits, features = self._draft_and_score(greedy_selector)
-        tokens = argmax_last(logits)  # [B, γ + 1]
+    def _dspark_round(self, verify: int | None = None) -> None:
+        drafts, _, logits, features = self._draft_and_score(greedy_selector, verify)
+        tokens = argmax_last(logits)  # [B, v + 1]
         self.advance((drafts == tokens[:, :-1]).long().cumprod(dim=1).sum(dim=1), tokens, features)
 
     def _sampled_dspark_round(self, noise: torch.Tensor, temperatures, top_ks, top_ps):
@@ -297,11 +357,12 @@ class StaticBatchRounds:
 
     def advance(self, accepted: torch.Tensor, tokens: torch.Tensor, features: torch.Tensor) -> None:
         """A DSpark round's bookkeeping: [accepted, tokens] into `record`, each row's anchor, features and columns to
-        the next round (rows that have stopped keep their columns)."""
+        the next round (rows that have stopped keep their columns). A round that verified v < γ drafts fills the
+        first v + 1 entries of `record`'s tokens and of `features` (the rest is never read)."""
         self.record[:, 0] = accepted
-        self.record[:, 1:] = tokens
+        self.record[:, 1: 1 + tokens.shape[1]] = tokens
         self.anchor.copy_(tokens.gather(1, accepted[:, None])[:, 0])
-        self.features.copy_(features)
+        self.features[:, : features.shape[1]].copy_(features)
         # the old column computed from the new one: inductor may apply a copy of the `self.column` alias after updating
         # it (static_loop.StaticRound.advance)
         moved = (accepted + 1) * self.active

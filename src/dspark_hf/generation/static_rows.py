@@ -1,21 +1,24 @@
 """`StaticRows`: `DSparkEngine`'s rows on static caches (`DSparkEngine(..., static=True)`), greedy.
 
 The same interface as `SpeculativeRows` (`rows`, `add`, `step`, `remove`), over a `StaticBatchRounds` of
-`max_batch_size` rows: a request takes a free row (`StaticBatchRounds.admit`), every round drafts γ tokens for every
-row and verifies all of them in one target forward (one CUDA graph with `compile=True`, one host read per round), and
-a finished or cancelled request frees its row. Rows without a request keep computing until one takes them (their
-results are dropped). Verify lengths are fixed (every draft), sampling is greedy, and there is no speculation guard:
-the engine refuses what this runner does not do.
+`max_batch_size` rows: a request takes a free row (`StaticBatchRounds.admit`), every round drafts for every row and
+verifies the same number v of drafts of every row in one target forward (one CUDA graph per v with `compile=True`,
+one host read per round), and a finished or cancelled request frees its row. Rows without a request keep computing
+until one takes them (their results are dropped). v is fixed, or chosen each round by a `RoundWidthChooser` from
+measured round times and acceptance (v = 0: a plain round, whose target features go to the drafter's pending
+context). Sampling is greedy: the engine refuses what this runner does not do.
 """
 
 from __future__ import annotations
 
+import time
 from contextlib import nullcontext
 
 import torch
 from transformers import PreTrainedModel
 
 from ..models import DSparkDraftModel
+from ..scheduling import RoundWidthChooser
 from .profiling import RoundProfiler
 from .speculative_rows import Row, left_padded
 from .static_batch import StaticBatchRounds
@@ -24,14 +27,17 @@ from .static_loop import fast_kernels, kernel_choice, kernels_active
 
 class StaticRows:
     """Rows of `DSparkEngine` on a `StaticBatchRounds` of `max_batch_size` rows and `max_model_len` positions.
-    `drafter=None`: plain decoding rounds. `compile`, `attention`, `fuse_projections` as in `static_generate_batch`
-    (`compile=True`: one CUDA graph per round)."""
+    `drafter=None`: plain decoding rounds. Each round verifies `verify` drafts of every row (default: all γ), or as
+    many as `chooser` picks. `compile`, `attention`, `fuse_projections` as in `static_generate_batch`
+    (`compile=True`: one CUDA graph per number of verified drafts)."""
 
     def __init__(self, target: PreTrainedModel, drafter: DSparkDraftModel | None, max_batch_size: int,
                  max_model_len: int, compile: bool | dict = False, attention: str = "auto",
-                 fuse_projections: bool | None = None):
-        span = 1 if drafter is None else drafter.config.num_draft_slots + 1  # tokens a round runs per row
+                 fuse_projections: bool | None = None, verify: int | None = None,
+                 chooser: RoundWidthChooser | None = None):
+        span = 1 if drafter is None else drafter.config.num_draft_slots + 1  # the most tokens a round runs per row
         self.span, self.batch_size = span, max_batch_size
+        self.set_policy(verify, chooser)
         capacity = max_model_len + 2 * span  # a short prompt's left padding, a round's overshoot past max_tokens
         build = lambda: StaticBatchRounds(target, drafter, max_batch_size, capacity, compile)  # noqa: E731
         with fast_kernels(target, drafter, attention, fuse_projections, build) as rounds:
@@ -39,10 +45,23 @@ class StaticRows:
         kernel, fuse = kernel_choice(target, attention, fuse_projections)
         self._kernels = lambda: kernels_active(target, drafter, kernel, fuse)  # per call: the models are shared
         self.owner: list[Row | None] = [None] * max_batch_size  # each row's request
+        self.pending = [0] * max_batch_size  # per row: target features waiting in the drafter's pending context
         self.started = False
         self.drafted_last_round = drafter is not None
         self.profiler: RoundProfiler | None = None
         self.guard = None
+
+    def set_policy(self, verify: int | None = None, chooser: RoundWidthChooser | None = None) -> None:
+        """Each round verifies `verify` drafts of every row (None: all γ), or as many as `chooser` picks. May change
+        between rounds: the graphs of the widths already run are kept."""
+        longest = self.span - 1 if chooser is None else max(chooser.widths)
+        verify = longest if verify is None and chooser is None else verify
+        if longest > self.span - 1 or (verify is not None and not 0 <= verify <= self.span - 1) \
+                or (chooser is not None and verify is not None):
+            raise ValueError(f"a round verifies at most the drafter's {self.span - 1} drafts (none without a drafter), "
+                             f"a fixed number or a chooser's: verify={verify}, chooser widths "
+                             f"{None if chooser is None else chooser.widths}.")
+        self.verify, self.chooser = verify, chooser
 
     @property
     def rows(self) -> list[Row]:
@@ -96,6 +115,7 @@ class StaticRows:
                     rounds.admit(slots, ids, mask)
                 for slot, row, token in zip(slots, group, rounds.record[slots, 1].tolist()):
                     self.owner[slot] = row
+                    self.pending[slot] = self.span  # a prefill leaves its last γ + 1 features pending
                     first[id(row)] = token
         for row in rows:
             row.ids.append(first[id(row)])
@@ -113,19 +133,31 @@ class StaticRows:
     def step(self) -> list[list[int]]:
         """One round for every row; returns the tokens each request's row committed, in `rows` order."""
         rounds = self.rounds
+        verify = self.chooser.choose() if self.chooser is not None else self.verify
+        started = time.perf_counter()
         with self._kernels(), self._part("verify_forward"):  # (the whole round: one graph)
             with rounds.tap if rounds.tap is not None else nullcontext():
-                rounds.compiled()
+                if verify == 0 and self.span > 1 and max(self.pending[i] for i, row in enumerate(self.owner)
+                                                         if row is not None) >= self.span:
+                    rounds.flush()  # a plain round's features need a free entry of the pending context
+                    self.pending = [0] * self.batch_size
+                rounds.greedy_round(verify)()
             record = rounds.record.tolist()  # the round's one synchronisation
-        committed = []
+        seconds = time.perf_counter() - started
+        committed, accepted_drafts = [], []
         for index, row in enumerate(self.owner):
             if row is None:
                 continue
             accepted, *tokens = record[index]
             row.ids.extend(tokens[: accepted + 1])
-            row.drafted.append(self.span - 1)
+            row.drafted.append(verify)
             row.accepted.append(accepted)
             committed.append(tokens[: accepted + 1])
+            accepted_drafts.append(accepted)
+            self.pending[index] = self.pending[index] + 1 if verify == 0 else accepted + 1
+        self.drafted_last_round = verify > 0
+        if self.chooser is not None:
+            self.chooser.record(verify, seconds, accepted_drafts)
         return committed
 
     def _part(self, name: str):

@@ -13,10 +13,12 @@ from .policies import (
     top_k_prefix,
 )
 from .guard import SpeculationGuard
+from .round_widths import RoundWidthChooser
 from .sps import SPSTable
 
 __all__ = [
     "POLICY_NAMES",
+    "RoundWidthChooser",
     "SPSLike",
     "SPSTable",
     "SchedulerPolicy",

@@ -34,7 +34,7 @@ from ..generation.speculative_rows import Row, SpeculativeRows, check_batchable_
 from ..generation.static_rows import StaticRows
 from ..generation.target_features import check_drafter_fits_target
 from ..models import DSparkDraftModel
-from ..scheduling import SchedulerPolicy, SpeculationGuard, SPSTable, get_policy
+from ..scheduling import RoundWidthChooser, SchedulerPolicy, SpeculationGuard, SPSTable, get_policy
 from ..verify import VerifyResult, verify
 from ..verify.reference import processed_scores
 from .requests import Request, RequestOutput, SamplingParams, prompt_token_ids
@@ -87,6 +87,36 @@ class RequestSampler:
                       top_k=top_k, top_p=top_p, seeds=seeds.to(device))
 
 
+STATIC_WIDTHS = (0, 1, 3)  # with the drafter's γ: the numbers of verified drafts the static hardware-aware policy
+# chooses among (one compiled graph each)
+
+
+def _static_rows(target, drafter, policy, gamma, threshold, sps_table, guard, max_batch_size, max_model_len,
+                 compile_rounds) -> StaticRows:
+    """`DSparkEngine(static=True)`'s runner: policy "none", "fixed" (None: "fixed"; `gamma` drafts or all) or
+    "hardware_aware" (a `RoundWidthChooser` over plain rounds, 1, 3 and γ verified drafts, on measured round times)."""
+    if max_model_len is None:
+        raise ValueError("DSparkEngine(static=True) needs max_model_len: it sizes the static caches.")
+    if threshold is not None or sps_table is not None or guard:
+        raise ValueError("DSparkEngine(static=True) takes no threshold, sps_table or speculation_guard: its "
+                         "hardware-aware policy measures its own round times (plain rounds included).")
+    if isinstance(policy, SchedulerPolicy) or policy not in (None, "none", "no_speculation", "fixed", "fixed_length",
+                                                             "hardware_aware"):
+        raise ValueError(f"DSparkEngine(static=True) runs policy 'none', 'fixed' or 'hardware_aware', not {policy!r}.")
+    if drafter is None or policy in ("none", "no_speculation"):
+        drafter = None
+    slots = drafter.config.num_draft_slots if drafter is not None else 0
+    if gamma is not None and (policy not in (None, "fixed", "fixed_length") or not 1 <= gamma <= slots):
+        raise ValueError(f"gamma applies to policy='fixed', between 1 and the drafter's {slots} draft slots; "
+                         f"got {gamma}.")
+    chooser = None
+    if policy == "hardware_aware" and drafter is not None:
+        chooser = RoundWidthChooser(tuple(width for width in (*STATIC_WIDTHS, slots) if width <= slots))
+    compile_rounds = target.device.type == "cuda" if compile_rounds is None else compile_rounds
+    return StaticRows(target, drafter, max_batch_size, max_model_len, compile=compile_rounds, verify=gamma,
+                      chooser=chooser)
+
+
 def _engine_policy(policy, drafter, threshold, sps_table, gamma) -> tuple[bool, SchedulerPolicy | None]:
     """(speculate, policy) from the engine's arguments."""
     if drafter is None or policy in ("none", "no_speculation"):
@@ -127,9 +157,11 @@ class DSparkEngine:
         profile_rounds: time each round's parts (`round_profile()`); synchronises the device at every part boundary,
             so it slows the engine down a little.
         static: run the rows on static caches (`generation.static_rows.StaticRows`): a request takes a free row of
-            a `max_batch_size` × `max_model_len` cache (give `max_model_len`), every round verifies all γ drafts of
-            every row in one forward, one CUDA graph per round with `static_compile` (default: on CUDA). Greedy
-            requests only (the default then), policy "fixed" without `gamma` or "none", no speculation guard.
+            a `max_batch_size` × `max_model_len` cache (give `max_model_len`), every round verifies the same number
+            of drafts of every row in one forward, one CUDA graph per number with `static_compile` (default: on
+            CUDA). Greedy requests only (the default then). Policies: "none", "fixed" (all γ drafts, or `gamma`),
+            "hardware_aware": each round, plain or 1, 3 or γ verified drafts, whichever commits the most tokens per
+            second by measured round times and acceptance (`scheduling.RoundWidthChooser`; no SPS table, no guard).
             Experimental.
     """
 
@@ -138,7 +170,7 @@ class DSparkEngine:
                  sps_table: SPSTable | str | None = None, max_batch_size: int = 64, max_model_len: int | None = None,
                  seed: int = 0, default_sampling: dict | None = None, compact_threshold: float = 0.5,
                  speculation_guard: bool | SpeculationGuard | None = None, profile_rounds: bool = False,
-                 static: bool = False, static_compile: bool | None = None):
+                 static: bool = False, static_compile: bool | dict | None = None):
         check_batchable_target(target)
         if drafter is not None:
             check_drafter_fits_target(drafter.config, target)
@@ -146,7 +178,12 @@ class DSparkEngine:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}.")
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
-        speculate, scheduler = _engine_policy(policy, drafter, threshold, sps_table, gamma)
+        if static:  # before the eager engine's policy checks: the static rows schedule differently
+            self.runner = _static_rows(target, drafter, policy, gamma, threshold, sps_table, speculation_guard,
+                                       max_batch_size, max_model_len, static_compile)
+            speculate, scheduler, speculation_guard = False, None, False
+        else:
+            speculate, scheduler = _engine_policy(policy, drafter, threshold, sps_table, gamma)
         text = target.config.get_text_config()
         self.vocab_size = text.vocab_size
         self.max_model_len = max_model_len or getattr(text, "max_position_embeddings", None)
@@ -166,15 +203,7 @@ class DSparkEngine:
         if speculation_guard and speculation_guard.sps_table is None and scheduler is not None:
             speculation_guard.sps_table = scheduler.params.get("sps_table")
         self.static = static
-        if static:
-            if max_model_len is None or speculation_guard or (scheduler is not None and scheduler.name != "fixed") \
-                    or gamma is not None:
-                raise ValueError("DSparkEngine(static=True) needs max_model_len and verifies every draft: policy "
-                                 "'fixed' without gamma (or 'none'), no speculation guard.")
-            compile_rounds = target.device.type == "cuda" if static_compile is None else static_compile
-            self.runner = StaticRows(target, drafter if speculate else None, max_batch_size, max_model_len,
-                                     compile=compile_rounds)
-        else:
+        if not static:
             self.runner = SpeculativeRows(target, drafter if speculate else None, RequestSampler(self.generator),
                                           scheduler, drafter.config.sts_temperatures if drafter is not None else None,
                                           compact_threshold=compact_threshold, guard=speculation_guard or None)
