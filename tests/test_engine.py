@@ -12,7 +12,7 @@ from test_static_batch import assert_drafter_cache_holds_context, reference_draf
 from tiny_models import install_bigram_oracle, make_bigram_like, tiny_drafter, tiny_target
 from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import WordLevel
-from transformers import LogitsProcessorList, PreTrainedTokenizerFast, TemperatureLogitsWarper
+from transformers import LogitsProcessorList, PreTrainedTokenizerFast, TemperatureLogitsWarper, TopKLogitsWarper
 
 import dspark_hf  # noqa: F401
 from dspark_hf.scheduling import RoundWidthChooser, SpeculationGuard, SPSTable
@@ -423,7 +423,8 @@ def test_static_engine_drafts_from_each_requests_whole_context_across_plain_roun
     every round each request's row of the drafter cache holds exactly its context's K/V."""
     target, _ = models
     drafter = tiny_drafter(target, block_size=5, seed=3)
-    engine = DSparkEngine(target, drafter, max_batch_size=3, max_model_len=64, static=True, policy="hardware_aware")
+    engine = DSparkEngine(target, drafter, max_batch_size=3, max_model_len=64, static=True, policy="hardware_aware",
+                          default_sampling={"temperature": 0})
     runner = engine.runner
     runner.chooser = RandomWidths(runner.chooser.widths, seed=5, plain_share=0.7)  # runs of plain rounds
     step, checked = runner.step, []
@@ -454,9 +455,9 @@ def test_static_engine_drafts_from_each_requests_whole_context_across_plain_roun
 
 
 def test_static_engine_compiles_one_graph_per_width():
-    """fullgraph=True: each number of verified drafts (plain rounds included) and the flush trace as one graph each,
-    once, while requests come and go; the outputs are still the solo greedy ones. (One target family: tracing takes
-    half a minute.)"""
+    """fullgraph=True: each number of verified drafts (plain rounds included), greedy and sampled, and the flush trace
+    as one graph each, once, while requests come and go; the greedy outputs are still the solo greedy ones. (One
+    target family: tracing takes half a minute.)"""
     from test_static_loop import counting_backend
 
     target = make_bigram_like(tiny_target("qwen3", vocab_size=VOCAB_SIZE, eos_token_id=EOS))
@@ -464,7 +465,8 @@ def test_static_engine_compiles_one_graph_per_width():
     compilations, backend = counting_backend()
     torch._dynamo.reset()
     engine = DSparkEngine(target, drafter, max_batch_size=2, max_model_len=64, static=True, policy="hardware_aware",
-                          static_compile=dict(backend=backend, fullgraph=True, dynamic=False))
+                          static_compile=dict(backend=backend, fullgraph=True, dynamic=False),
+                          default_sampling={"temperature": 0})
     engine.runner.chooser = RandomWidths(engine.runner.chooser.widths, seed=2, plain_share=0.5)
     rng = random.Random(3)
     handles = [engine.add_request([rng.randrange(4, VOCAB_SIZE) for _ in range(rng.randint(1, 10))],
@@ -472,9 +474,15 @@ def test_static_engine_compiles_one_graph_per_width():
     engine.run()
     for handle in handles:
         assert handle.tokens == solo(target, handle.prompt_ids, handle.params.max_tokens)
-    widths = {entry["verify"][0] for entry in engine.round_log}
-    assert widths == set(engine.runner.chooser.widths)
-    assert len(compilations) == len(widths) + 1  # + the flush
+    greedy_rounds = len(engine.round_log)
+    sampled = [engine.add_request([rng.randrange(4, VOCAB_SIZE) for _ in range(4)], max_tokens=30, temperature=0.9,
+                                  top_p=0.9, ignore_eos=True) for _ in range(3)]
+    engine.run()
+    assert all(len(handle.tokens) == 30 for handle in sampled)
+    widths = [{entry["verify"][0] for entry in log} for log in (engine.round_log[:greedy_rounds],
+                                                                 engine.round_log[greedy_rounds:])]
+    assert widths[0] == set(engine.runner.chooser.widths) and len(widths[1]) > 1
+    assert len(compilations) == len(widths[0]) + len(widths[1]) + 1  # greedy and sampled graphs, and the flush
 
 
 def test_static_engine_refuses_what_it_does_not_do(models):
@@ -488,9 +496,39 @@ def test_static_engine_refuses_what_it_does_not_do(models):
         DSparkEngine(target, drafter, static=True, max_model_len=64, policy="static_threshold")
     with pytest.raises(ValueError, match="gamma applies"):
         DSparkEngine(target, drafter, static=True, max_model_len=64, policy="fixed", gamma=99)
-    engine = DSparkEngine(target, drafter, static=True, max_model_len=64, policy="fixed")
-    with pytest.raises(ValueError, match="greedy requests only"):
-        engine.add_request([5, 6], temperature=0.8)
-    handle = engine.add_request([5, 6], max_tokens=9)
+    with pytest.raises(ValueError, match="speculation_guard"):
+        DSparkEngine(target, drafter, static=True, max_model_len=64, policy="hardware_aware", speculation_guard=True)
+
+
+def test_static_engine_sampling_matches_target_distribution():
+    """DSparkEngine(static=True) with sampled requests (two settings: temperature 0.8; temperature 1.1 with top-k 4)
+    and greedy ones in the same rounds, through random widths (sampled plain rounds, 1 or all 3 drafts verified):
+    1500 requests per sampled prompt, one chi-square test per prompt at ALPHA = 1e-3 (a correct sampler fails a
+    given seed with probability <= 0.2 % over the two); the greedy requests equal their solo greedy generate()."""
+    target = make_bigram_like(tiny_target("qwen3", vocab_size=VOCAB, eos_token_id=None), damping=0.3)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(6.0)
+    drafter = oracle_drafter(target, scale=3.0)
+    engine = DSparkEngine(target, drafter, max_batch_size=256, max_model_len=8, seed=99, static=True,
+                          policy="hardware_aware")
+    engine.runner.chooser = RandomWidths(engine.runner.chooser.widths, seed=4, plain_share=0.3)
+    settings = [([4, 1, 5], dict(temperature=0.8), [TemperatureLogitsWarper(0.8)]),
+                ([3, 3], dict(temperature=1.1, top_k=4), [TemperatureLogitsWarper(1.1), TopKLogitsWarper(4)])]
+    copies, handles, greedy = 1500, [], []
+    for copy in range(copies):
+        for prompt, sampling, _ in settings:
+            handles.append(engine.add_request(prompt, max_tokens=NEW_TOKENS, **sampling))
+        if copy % 100 == 0:
+            greedy.append(engine.add_request([5, copy % VOCAB], max_tokens=NEW_TOKENS, temperature=0))
     engine.run()
-    assert handle.params.greedy and handle.output().token_ids == solo(target, [5, 6], 9)  # greedy by default
+    for index, (prompt, _, processors) in enumerate(settings):
+        counts = {}
+        for handle in handles[index::len(settings)]:
+            counts[tuple(handle.tokens)] = counts.get(tuple(handle.tokens), 0) + 1
+        expected = exact_distribution(target, LogitsProcessorList(processors), prompt)
+        assert chi_square_p_value(counts, expected, copies) > ALPHA
+    for handle in greedy:
+        assert handle.tokens == solo(target, handle.prompt_ids, NEW_TOKENS)
+    accepted = [n for entry in engine.round_log if entry["speculative"] for n in entry["accepted"]]
+    assert 0 < sum(accepted) < len(accepted) * 2  # some drafts accepted, some rejected
+    assert {entry["verify"][0] for entry in engine.round_log} == {0, 1, 3}

@@ -171,7 +171,7 @@ class StaticBatchRounds:
             self.compile_options = compile if isinstance(compile, dict) else dict(mode="reduce-overhead",
                                                                                  dynamic=False)
         self.compiled = self._compiled(self.step)
-        self._greedy_rounds: dict[int | str, Callable[[], None]] = {}
+        self._rounds_by_kind: dict[tuple[str, int] | str, Callable] = {}
 
     def _compiled(self, function: Callable) -> Callable:
         return function if self.compile_options is None else torch.compile(function, **self.compile_options)
@@ -180,26 +180,33 @@ class StaticBatchRounds:
         """The greedy round that verifies the first `verify` of each row's drafts (0: a plain round, which with a
         drafter also appends its target features to the drafter's pending context; call `flush()` first when a
         row's pending context is full), compiled like `compiled`; one graph per `verify`."""
+        plain = self._plain_round if self.drafter is None else self._plain_round_with_context
+        return self._round_of_kind("greedy", verify, plain, self._dspark_round)
+
+    def sampled_round(self, verify: int) -> Callable:
+        """`greedy_round`'s sampled twin, called with (noise, temperatures, top_ks, top_ps), per row: noise ~ Exp(1)
+        [B, V] for a plain round (which draws its token and records it), [B, γ, V] for a drafting round (which returns
+        (drafts [B, v], their q [B, v, V], target logits, target features) for `dspark_hf.verify`, then `advance`).
+        Noise of ones with temperature 1 and no top-k / top-p draws a row's argmax: a greedy row."""
+        plain = self._sampled_plain_round if self.drafter is None else self._sampled_plain_round_with_context
+        return self._round_of_kind("sampled", verify, plain, self._sampled_dspark_round)
+
+    def _round_of_kind(self, kind: str, verify: int, plain: Callable, drafting: Callable) -> Callable:
         if self.drafter is None and verify != 0:
             raise ValueError("plain decoding rounds (no drafter) verify no drafts.")
         if not 0 <= verify < self.width:
             raise ValueError(f"verify must be in 0..{self.width - 1}, got {verify}.")
-        if verify not in self._greedy_rounds:
-            if self.drafter is None:
-                round_ = self._plain_round
-            elif verify == 0:
-                round_ = self._plain_round_with_context
-            else:
-                round_ = functools.partial(self._dspark_round, verify)
-            self._greedy_rounds[verify] = self._compiled(round_)
-        return self._greedy_rounds[verify]
+        if (kind, verify) not in self._rounds_by_kind:
+            round_ = plain if verify == 0 else functools.partial(drafting, verify=verify)
+            self._rounds_by_kind[kind, verify] = self._compiled(round_)
+        return self._rounds_by_kind[kind, verify]
 
     def flush(self) -> None:
         """Writes every row's pending drafter context (the target features from `context_column` up to its anchor's
         column) into the drafter cache and empties it (compiled like `compiled`)."""
-        if "flush" not in self._greedy_rounds:
-            self._greedy_rounds["flush"] = self._compiled(self._flush_context)
-        self._greedy_rounds["flush"]()
+        if "flush" not in self._rounds_by_kind:
+            self._rounds_by_kind["flush"] = self._compiled(self._flush_context)
+        self._rounds_by_kind["flush"]()
 
     # ------------------------------------------------------------------ target
     def _target_forward(self, ids: torch.LongTensor, first_column: torch.Tensor):
@@ -300,10 +307,17 @@ class StaticBatchRounds:
         return features
 
     def _plain_round_with_context(self) -> None:
-        """A greedy plain round that also appends each row's anchor features to its pending drafter context, at
-        entry column - context_column of `features` (< γ + 1 for every running row: `flush()` before when full)."""
+        self._plain_step_with_context(argmax_last)
+
+    def _sampled_plain_round_with_context(self, noise: torch.Tensor, temperatures, top_ks, top_ps) -> None:
+        self._plain_step_with_context(
+            lambda logits: race(processed_scores(logits, temperatures, top_ks, top_ps).softmax(-1), noise))
+
+    def _plain_step_with_context(self, choose: Callable[[torch.Tensor], torch.LongTensor]) -> None:
+        """A plain round that also appends each row's anchor features to its pending drafter context, at entry
+        column - context_column of `features` (< γ + 1 for every running row: `flush()` before when full)."""
         column = self.column.clone()  # before the round moves it
-        features = self._plain_step(argmax_last)
+        features = self._plain_step(choose)
         entry = (column - self.context_column).clamp(max=self.width - 1)  # rows that have stopped may be full
         self.features.scatter_(1, entry[:, None, None].expand(-1, 1, features.shape[-1]),
                                features.to(self.features.dtype))
@@ -341,18 +355,19 @@ class StaticBatchRounds:
         logits, features = self._target_forward(torch.cat([self.anchor[:, None], drafts], dim=1), self.column)
         return drafts, q_logits, logits, features
 
-    def _dspark_round(self, verify: int | None = None) -> None:
+    def _dspark_round(self, *, verify: int | None = None) -> None:
         drafts, _, logits, features = self._draft_and_score(greedy_selector, verify)
         tokens = argmax_last(logits)  # [B, v + 1]
         self.advance((drafts == tokens[:, :-1]).long().cumprod(dim=1).sum(dim=1), tokens, features)
 
-    def _sampled_dspark_round(self, noise: torch.Tensor, temperatures, top_ks, top_ps):
-        """-> (drafts [B, γ], their q [B, γ, V], target logits, target features) for `verify`; `noise` [B, γ, V]."""
+    def _sampled_dspark_round(self, noise: torch.Tensor, temperatures, top_ks, top_ps, verify: int | None = None):
+        """-> (the first `verify` drafts [B, v] (default: all), their q [B, v, V], target logits, target features) for
+        `dspark_hf.verify`; `noise` [B, γ, V]."""
         def select(drafted, logits):
             processed = processed_scores(logits, temperatures, top_ks, top_ps)
             return race(processed.softmax(dim=-1), noise[:, drafted.shape[1]]), processed
 
-        drafts, q_logits, logits, features = self._draft_and_score(select)
+        drafts, q_logits, logits, features = self._draft_and_score(select, verify)
         return drafts, q_logits.softmax(dim=-1), logits, features
 
     def advance(self, accepted: torch.Tensor, tokens: torch.Tensor, features: torch.Tensor) -> None:

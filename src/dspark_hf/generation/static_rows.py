@@ -6,7 +6,9 @@ verifies the same number v of drafts of every row in one target forward (one CUD
 one host read per round), and a finished or cancelled request frees its row. Rows without a request keep computing
 until one takes them (their results are dropped). v is fixed, or chosen each round by a `RoundWidthChooser` from
 measured round times and acceptance (v = 0: a plain round, whose target features go to the drafter's pending
-context). Sampling is greedy: the engine refuses what this runner does not do.
+context). A round with only greedy requests runs the greedy graph; one with any sampled request runs the sampled
+graph, in which each row draws with its own temperature / top-k / top-p on Exp(1) noise (greedy rows on noise of
+ones: their argmax), and `dspark_hf.verify` accepts per row (greedy rows greedily) after it.
 """
 
 from __future__ import annotations
@@ -19,22 +21,26 @@ from transformers import PreTrainedModel
 
 from ..models import DSparkDraftModel
 from ..scheduling import RoundWidthChooser
+from ..tensor_ops import argmax_last
+from ..verify import verify as verify_drafts
 from .profiling import RoundProfiler
 from .speculative_rows import Row, left_padded
 from .static_batch import StaticBatchRounds
-from .static_loop import fast_kernels, kernel_choice, kernels_active
+from .static_loop import exponential_noise, fast_kernels, kernel_choice, kernels_active
 
 
 class StaticRows:
     """Rows of `DSparkEngine` on a `StaticBatchRounds` of `max_batch_size` rows and `max_model_len` positions.
     `drafter=None`: plain decoding rounds. Each round verifies `verify` drafts of every row (default: all γ), or as
-    many as `chooser` picks. `compile`, `attention`, `fuse_projections` as in `static_generate_batch`
-    (`compile=True`: one CUDA graph per number of verified drafts)."""
+    many as `chooser` picks. `sampler` (the engine's `RequestSampler`: `params(rows, device)`, `first_tokens(rows,
+    logits)` and its `generator`) draws sampled requests' tokens; without one every request decodes greedily.
+    `compile`, `attention`, `fuse_projections` as in `static_generate_batch` (`compile=True`: one CUDA graph per
+    number of verified drafts, greedy or sampled)."""
 
     def __init__(self, target: PreTrainedModel, drafter: DSparkDraftModel | None, max_batch_size: int,
                  max_model_len: int, compile: bool | dict = False, attention: str = "auto",
                  fuse_projections: bool | None = None, verify: int | None = None,
-                 chooser: RoundWidthChooser | None = None):
+                 chooser: RoundWidthChooser | None = None, sampler=None):
         span = 1 if drafter is None else drafter.config.num_draft_slots + 1  # the most tokens a round runs per row
         self.span, self.batch_size = span, max_batch_size
         self.set_policy(verify, chooser)
@@ -46,6 +52,13 @@ class StaticRows:
         self._kernels = lambda: kernels_active(target, drafter, kernel, fuse)  # per call: the models are shared
         self.owner: list[Row | None] = [None] * max_batch_size  # each row's request
         self.pending = [0] * max_batch_size  # per row: target features waiting in the drafter's pending context
+        self.sampler = sampler
+        self.sampled = [False] * max_batch_size  # per row: does its request sample
+        device = target.device  # per row (sampled rounds): temperature, top-k (0: off), top-p; free rows: greedy
+        self.temperature = torch.ones(max_batch_size, device=device)
+        self.top_k = torch.zeros(max_batch_size, dtype=torch.long, device=device)
+        self.top_p = torch.ones(max_batch_size, device=device)
+        self.vocab_size = target.config.get_text_config().vocab_size
         self.started = False
         self.drafted_last_round = drafter is not None
         self.profiler: RoundProfiler | None = None
@@ -106,13 +119,15 @@ class StaticRows:
                 ids, mask = left_padded(group, min_width=self.span + 1)  # γ + 2: a drafter's first context
                 mask = mask.long()
                 slots, free = free[: len(group)], free[len(group):]
+                self._set_sampling(slots, group)
                 if not self.started:  # the first prefill sets up every row; rows without a request stop at once
                     spare = [0] * (self.batch_size - len(group))
-                    rounds.prefill(torch.cat([ids, ids[spare]]), torch.cat([mask, mask[spare]]))
+                    choose = self._first_tokens(group + [group[0]] * len(spare))
+                    rounds.prefill(torch.cat([ids, ids[spare]]), torch.cat([mask, mask[spare]]), choose)
                     rounds.active[len(group):] = 0
                     self.started = True
                 else:
-                    rounds.admit(slots, ids, mask)
+                    rounds.admit(slots, ids, mask, self._first_tokens(group))
                 for slot, row, token in zip(slots, group, rounds.record[slots, 1].tolist()):
                     self.owner[slot] = row
                     self.pending[slot] = self.span  # a prefill leaves its last γ + 1 features pending
@@ -121,13 +136,36 @@ class StaticRows:
             row.ids.append(first[id(row)])
         return [[first[id(row)]] for row in rows]
 
+    def _first_tokens(self, rows: list[Row]):
+        if self.sampler is None:
+            return argmax_last
+        return lambda logits: self.sampler.first_tokens(rows, logits)
+
+    def _set_sampling(self, slots: list[int], rows: list[Row] | None) -> None:
+        """Rows `slots` take `rows`' sampling settings (None: greedy, for freed rows)."""
+        if self.sampler is None:
+            return
+        index = torch.tensor(slots, dtype=torch.long, device=self.temperature.device)
+        if rows is None:
+            sample, temperature, top_k, top_p = [False] * len(slots), 1.0, 0, 1.0
+        else:
+            sample, temperature, top_k, top_p = self.sampler.params(rows, self.temperature.device)
+            sample = sample.tolist()
+        self.temperature[index], self.top_k[index], self.top_p[index] = temperature, top_k, top_p
+        for slot, sampled in zip(slots, sample):
+            self.sampled[slot] = sampled
+
     def remove(self, rows: list[Row]) -> None:
         """Frees the rows of finished or cancelled requests."""
         gone = {id(row) for row in rows}
+        freed = []
         for index, owner in enumerate(self.owner):
             if owner is not None and id(owner) in gone:
                 self.owner[index] = None
                 self.rounds.active[index] = 0
+                freed.append(index)
+        if freed:
+            self._set_sampling(freed, None)
 
     @torch.no_grad()
     def step(self) -> list[list[int]]:
@@ -141,7 +179,10 @@ class StaticRows:
                                                          if row is not None) >= self.span:
                     rounds.flush()  # a plain round's features need a free entry of the pending context
                     self.pending = [0] * self.batch_size
-                rounds.greedy_round(verify)()
+                if any(self.sampled):
+                    self._sampled_round(verify)
+                else:
+                    rounds.greedy_round(verify)()
             record = rounds.record.tolist()  # the round's one synchronisation
         seconds = time.perf_counter() - started
         committed, accepted_drafts = [], []
@@ -159,6 +200,28 @@ class StaticRows:
         if self.chooser is not None:
             self.chooser.record(verify, seconds, accepted_drafts)
         return committed
+
+    def _sampled_round(self, verify: int) -> None:
+        """A round of the sampled graph: noise for the sampled rows (ones for the others), then, after a drafting
+        round, `dspark_hf.verify` with each row's settings and `advance`."""
+        rounds, generator = self.rounds, self.sampler.generator
+        device, batch, vocab = self.temperature.device, self.batch_size, self.vocab_size
+        shape = (batch, vocab) if verify == 0 else (batch, self.span - 1, vocab)
+        noise = torch.ones(shape, device=device)
+        rows = torch.tensor([slot for slot, sampled in enumerate(self.sampled) if sampled], device=device)
+        noise[rows] = exponential_noise((len(rows), *shape[1:]), generator, device)
+        settings = (self.temperature, self.top_k, self.top_p)
+        if verify == 0:
+            rounds.sampled_round(0)(noise, *settings)
+            return
+        drafts, probs, logits, features = rounds.sampled_round(verify)(noise, *settings)
+        seeds = torch.randint(-(2**62), 2**62, (batch,), generator=generator, device=device)
+        result = verify_drafts(drafts.reshape(-1), torch.full((batch,), verify, device=device),
+                               logits.reshape(-1, vocab), probs.reshape(-1, vocab),
+                               do_sample=torch.tensor(self.sampled, device=device),
+                               temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seeds=seeds,
+                               max_draft_len=verify)
+        rounds.advance(result.num_accepted, result.output_tokens, features)
 
     def _part(self, name: str):
         return self.profiler.part(name) if self.profiler is not None else nullcontext()

@@ -47,7 +47,8 @@ class RequestSampler:
         self.generator = generator
 
     @staticmethod
-    def _params(rows: list[Row], device):
+    def params(rows: list[Row], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per row: (sampled?, temperature (1 for greedy rows), top-k (0: off), top-p)."""
         params = [row.tag.params for row in rows]
         sample = torch.tensor([not p.greedy for p in params], device=device)
         temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
@@ -56,7 +57,7 @@ class RequestSampler:
         return sample, temperature, top_k, top_p
 
     def _choose(self, rows, logits):
-        sample, temperature, top_k, top_p = self._params(rows, logits.device)
+        sample, temperature, top_k, top_p = self.params(rows, logits.device)
         tokens = logits.argmax(dim=-1)
         processed = logits
         if bool(sample.any()):
@@ -76,7 +77,7 @@ class RequestSampler:
 
     def verify(self, rows, drafts, lengths, target_logits, draft_logits) -> VerifyResult:
         device = target_logits.device
-        sample, temperature, top_k, top_p = self._params(rows, device)
+        sample, temperature, top_k, top_p = self.params(rows, device)
         flat_drafts, flat_logits = ragged_drafts(drafts, lengths), ragged_rows(target_logits, lengths)
         if not bool(sample.any()):  # all greedy: no processing, no noise (the torch path skips its sort and RNG)
             return verify(flat_drafts, lengths.to(device), flat_logits, None, do_sample=False)
@@ -92,7 +93,7 @@ STATIC_WIDTHS = (0, 1, 3)  # with the drafter's γ: the numbers of verified draf
 
 
 def _static_rows(target, drafter, policy, gamma, threshold, sps_table, guard, max_batch_size, max_model_len,
-                 compile_rounds) -> StaticRows:
+                 compile_rounds, sampler: RequestSampler) -> StaticRows:
     """`DSparkEngine(static=True)`'s runner: policy "none", "fixed" (None: "fixed"; `gamma` drafts or all) or
     "hardware_aware" (a `RoundWidthChooser` over plain rounds, 1, 3 and γ verified drafts, on measured round times)."""
     if max_model_len is None:
@@ -114,7 +115,7 @@ def _static_rows(target, drafter, policy, gamma, threshold, sps_table, guard, ma
         chooser = RoundWidthChooser(tuple(width for width in (*STATIC_WIDTHS, slots) if width <= slots))
     compile_rounds = target.device.type == "cuda" if compile_rounds is None else compile_rounds
     return StaticRows(target, drafter, max_batch_size, max_model_len, compile=compile_rounds, verify=gamma,
-                      chooser=chooser)
+                      chooser=chooser, sampler=sampler)
 
 
 def _engine_policy(policy, drafter, threshold, sps_table, gamma) -> tuple[bool, SchedulerPolicy | None]:
@@ -159,10 +160,10 @@ class DSparkEngine:
         static: run the rows on static caches (`generation.static_rows.StaticRows`): a request takes a free row of
             a `max_batch_size` × `max_model_len` cache (give `max_model_len`), every round verifies the same number
             of drafts of every row in one forward, one CUDA graph per number with `static_compile` (default: on
-            CUDA). Greedy requests only (the default then). Policies: "none", "fixed" (all γ drafts, or `gamma`),
-            "hardware_aware": each round, plain or 1, 3 or γ verified drafts, whichever commits the most tokens per
-            second by measured round times and acceptance (`scheduling.RoundWidthChooser`; no SPS table, no guard).
-            Experimental.
+            CUDA), greedy or, when any running request samples, sampled. Policies: "none", "fixed" (all γ drafts,
+            or `gamma`), "hardware_aware": each round, plain or 1, 3 or γ verified drafts, whichever commits the
+            most tokens per second by measured round times and acceptance (`scheduling.RoundWidthChooser`; no SPS
+            table, no guard). Experimental.
     """
 
     def __init__(self, target: PreTrainedModel, drafter: DSparkDraftModel | None = None, tokenizer=None, *,
@@ -178,9 +179,10 @@ class DSparkEngine:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}.")
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
+        self.generator = torch.Generator(device=target.device).manual_seed(seed)
         if static:  # before the eager engine's policy checks: the static rows schedule differently
             self.runner = _static_rows(target, drafter, policy, gamma, threshold, sps_table, speculation_guard,
-                                       max_batch_size, max_model_len, static_compile)
+                                       max_batch_size, max_model_len, static_compile, RequestSampler(self.generator))
             speculate, scheduler, speculation_guard = False, None, False
         else:
             speculate, scheduler = _engine_policy(policy, drafter, threshold, sps_table, gamma)
@@ -188,14 +190,10 @@ class DSparkEngine:
         self.vocab_size = text.vocab_size
         self.max_model_len = max_model_len or getattr(text, "max_position_embeddings", None)
         self.max_batch_size = max_batch_size
-        defaults = dict(default_sampling or {})
-        if static and not {"temperature", "do_sample"} & set(defaults):
-            defaults["temperature"] = 0.0  # the static rows decode greedily: make that the default
-        self.default_sampling = SamplingParams.build({}, defaults)
+        self.default_sampling = SamplingParams.build({}, dict(default_sampling or {}))
         self._default_max_given = bool({"max_tokens", "max_new_tokens"} & set(default_sampling or {}))
         eos = target.generation_config.eos_token_id
         self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
-        self.generator = torch.Generator(device=target.device).manual_seed(seed)
         if speculation_guard is None:
             speculation_guard = scheduler is not None and scheduler.name.startswith("hardware_aware")
         if speculation_guard is True:
@@ -229,9 +227,6 @@ class DSparkEngine:
                                                                     "max_tokens", "stop", "stop_token_ids",
                                                                     "ignore_eos")}
         params = SamplingParams.build(defaults, sampling)
-        if self.static and not params.greedy:
-            raise ValueError("DSparkEngine(static=True) serves greedy requests only (temperature=0 or "
-                             "do_sample=False).")
         ids = prompt_token_ids(prompt, self.tokenizer, self.vocab_size)
         if self.max_model_len is not None:
             if len(ids) >= self.max_model_len:
