@@ -16,10 +16,12 @@
 # Next: the 4B shape interleaved with --repeats 2, split over two calls by --concurrency (1 2 4 8 16 32 | 64 128 256;
 #     cells merge by concurrency when the first call's JSON is carried back in as --out). Six 4B engines at c = 256
 #     hold about 85 GB of KV cache at once.
-# Next, the static engine (DSparkEngine(static=True); not yet run; each concurrency compiles 6 round graphs, so split
-#     it over calls by --concurrency, carrying the first call's JSON back in as --out):
-#     --model code50m --static --max-new-tokens 64 --repeats 3 --requests-per-slot 2 --concurrency 1 2 4 8 16
-#     --model code50m --static --max-new-tokens 64 --repeats 3 --requests-per-slot 2 --concurrency 32 64 128 256
+# Next, the static engine (DSparkEngine(static=True); not yet run). Each concurrency compiles 6 round graphs; with
+#     --static-compile cudagraphs (eager kernels captured, seconds to compile) all concurrencies should fit one call:
+#     --model code50m --static --static-compile cudagraphs --max-new-tokens 64 --repeats 3 --requests-per-slot 2
+#     then inductor's (the default; about 20-30 s per graph, so split over calls by --concurrency, carrying the first
+#     call's JSON back in as --out) where the first run shows that the round time matters:
+#     --model code50m --static --max-new-tokens 64 --repeats 3 --requests-per-slot 2 --concurrency 1 16 256
 set -uo pipefail
 export PYTHONPATH=${DSPARK_SRC:-src}
 if [ ! -d ../shared/fixtures/code-llama-50m ]; then

@@ -447,9 +447,10 @@ def run_static_cells(target, drafter, prompts, concurrency: int, names: list[str
     """`--static`: each of `names`' warm-up run, then `--repeats` runs of each, one after another, on two engines kept
     for this concurrency (see the module docstring)."""
     longest = max(map(len, prompts)) + max(request_lengths(concurrency * args.requests_per_slot, args))
+    compile_rounds = dict(backend="cudagraphs", dynamic=False) if args.static_compile == "cudagraphs" else None
     engines = {kind: DSparkEngine(target, drafter if kind == "speculative" else None, static=True,
                                   policy="hardware_aware" if kind == "speculative" else "none",
-                                  max_batch_size=concurrency, max_model_len=longest + 8)
+                                  max_batch_size=concurrency, max_model_len=longest + 8, static_compile=compile_rounds)
                for kind in ("plain", "speculative")}
     chooser = engines["speculative"].runner.chooser
 
@@ -465,15 +466,22 @@ def run_static_cells(target, drafter, prompts, concurrency: int, names: list[str
 
     runs: dict[str, list[dict]] = {name: [] for name in names}
     for repeat in range(-1, args.repeats):  # -1: the warm-up run (compiles this concurrency's graphs)
+        plain_tokens = None
         for name in names:
             engine = engine_for(name)
             engine.round_log.clear()
             handles, seconds = drive(engine, prompts, concurrency, warm_up_args(args) if repeat < 0 else args)
-            if repeat >= 0:
-                cell = cell_result(engine, handles, seconds, concurrency)
-                if name == "hardware_aware":
-                    cell["chooser"] = {str(k): v for k, v in chooser.summary().items()}
-                runs[name].append(cell)
+            if repeat < 0:
+                continue
+            cell = cell_result(engine, handles, seconds, concurrency)
+            tokens = [handle.tokens for handle in handles]
+            if name == "no_spec":
+                plain_tokens = tokens
+            elif plain_tokens is not None:  # (bf16: compiled graphs of other shapes may break argmax ties otherwise)
+                cell["matched_no_spec"] = statistics.fmean(a == b for a, b in zip(tokens, plain_tokens))
+            if name == "hardware_aware":
+                cell["chooser"] = {str(k): v for k, v in chooser.summary().items()}
+            runs[name].append(cell)
     return runs
 
 
@@ -565,6 +573,10 @@ def main() -> None:
     parser.add_argument("--no-paged", dest="paged", action="store_false", help="skip transformers' paged baseline")
     parser.add_argument("--static", action="store_true",
                         help="DSparkEngine(static=True): one CUDA graph per round (code50m or smoke; see the docstring)")
+    parser.add_argument("--static-compile", choices=["inductor", "cudagraphs"], default="inductor",
+                        help="--static's rounds: torch.compile(mode='reduce-overhead') (inductor's kernels in CUDA "
+                             "graphs; the default) or backend='cudagraphs' (the eager kernels captured: compiles in "
+                             "seconds)")
     parser.add_argument("--out", help="JSON path (default benchmarks/results/serving_h200.json, serving_static_h200.json "
                         "with --static; a temp dir for smoke)")
     args = parser.parse_args()
@@ -607,7 +619,8 @@ def main() -> None:
                           temperature=0.0, ignore_eos=True, threshold=args.threshold, concurrency=args.concurrency,
                           requests_per_slot=args.requests_per_slot, repeats=args.repeats,
                           protocol="sequential" if args.sequential or args.static else "interleaved",
-                          engine="static (DSparkEngine(static=True))" if args.static else "eager",
+                          engine=f"static (DSparkEngine(static=True), {args.static_compile})" if args.static
+                          else "eager",
                           length_spread=args.length_spread,
                           prompts="random ids" if args.model == "smoke" else "HumanEval (code50m tokenizer)",
                           acceptance="replayed from serving_trace_code50m.json (timing only)" if trace is not None
