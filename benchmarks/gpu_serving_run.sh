@@ -19,8 +19,9 @@
 # Next, the static engine (DSparkEngine(static=True); not yet run). Each concurrency compiles 6 round graphs; with
 #     --static-compile cudagraphs (eager kernels captured, seconds to compile) all concurrencies should fit one call:
 #     --model code50m --static --static-compile cudagraphs --max-new-tokens 64 --repeats 3 --requests-per-slot 2
-#     then inductor's (the default; about 20-30 s per graph, so split over calls by --concurrency, carrying the first
-#     call's JSON back in as --out) where the first run shows that the round time matters:
+#     then inductor's (the default; its compilations take far longer, not yet timed per graph: split the run over
+#     calls by --concurrency, carrying the first call's JSON back in as --out) where the first run shows that the
+#     round time matters:
 #     --model code50m --static --max-new-tokens 64 --repeats 3 --requests-per-slot 2 --concurrency 1 16 256
 set -uo pipefail
 export PYTHONPATH=${DSPARK_SRC:-src}
