@@ -24,8 +24,8 @@ distribution (tests/test_static_batch.py). Attention: on CUDA by default the bat
 kernel, which takes each row's additive mask, with fused projections (`static_loop.fast_kernels`); elsewhere the
 models' own implementation with a 4D mask (SDPA by default).
 
-For `DSparkEngine(static=True)`, greedy rounds can also verify fewer drafts (`greedy_round(v)`, one graph per v) or
-none: a plain round then appends its target features to the drafter's pending context (up to γ + 1 columns, which
+For `DSparkEngine(static=True)`, rounds can also verify fewer drafts (`greedy_round(v)` / `sampled_round(v)`, one
+graph per v) or none: a plain round then appends its target features to the drafter's pending context (up to γ + 1 columns, which
 `flush()` writes into the drafter cache), so that the next speculative round drafts from the whole context.
 """
 
@@ -294,7 +294,7 @@ class StaticBatchRounds:
 
     def _sampled_plain_round(self, noise: torch.Tensor, temperatures, top_ks, top_ps) -> None:
         """`noise` [B, V] ~ Exp(1): each row's next token by the exponential race on its processed distribution."""
-        self._plain_step(lambda logits: race(processed_scores(logits, temperatures, top_ks, top_ps).softmax(-1), noise))
+        self._plain_step(_racing(noise, temperatures, top_ks, top_ps))
 
     def _plain_step(self, choose: Callable[[torch.Tensor], torch.LongTensor]) -> torch.Tensor | None:
         """-> the anchors' target features [B, 1, K·H] (None without a drafter)."""
@@ -310,8 +310,7 @@ class StaticBatchRounds:
         self._plain_step_with_context(argmax_last)
 
     def _sampled_plain_round_with_context(self, noise: torch.Tensor, temperatures, top_ks, top_ps) -> None:
-        self._plain_step_with_context(
-            lambda logits: race(processed_scores(logits, temperatures, top_ks, top_ps).softmax(-1), noise))
+        self._plain_step_with_context(_racing(noise, temperatures, top_ks, top_ps))
 
     def _plain_step_with_context(self, choose: Callable[[torch.Tensor], torch.LongTensor]) -> None:
         """A plain round that also appends each row's anchor features to its pending drafter context, at entry
@@ -384,6 +383,11 @@ class StaticBatchRounds:
         column = self.column + moved
         self.context_column.copy_(column - moved)
         self.column.copy_(column)
+
+
+def _racing(noise: torch.Tensor, temperatures, top_ks, top_ps) -> Callable[[torch.Tensor], torch.LongTensor]:
+    """Logits [B, V] -> each row's token by the exponential race on `noise` over its processed distribution."""
+    return lambda logits: race(processed_scores(logits, temperatures, top_ks, top_ps).softmax(dim=-1), noise)
 
 
 @torch.no_grad()
@@ -473,12 +477,12 @@ def _decode_rows(rounds: StaticBatchRounds, input_ids: torch.LongTensor, attenti
             return torch.cat([drawn, drawn.new_ones(batch - live, *shape)])
 
         def choose(logits: torch.Tensor) -> torch.LongTensor:
-            return race(processed_scores(logits, *sampling).softmax(dim=-1), noise(vocab))
+            return _racing(noise(vocab), *sampling)(logits)
 
         def choose_first(logits: torch.Tensor) -> torch.LongTensor:  # the first tokens of k admitted rows
             settings = [None if value is None else value[: logits.shape[0]] for value in sampling]
             drawn = exponential_noise((logits.shape[0], vocab), generator, device)
-            return race(processed_scores(logits, *settings).softmax(dim=-1), drawn)
+            return _racing(drawn, *settings)(logits)
 
         def next_round() -> None:
             if drafter is None:
