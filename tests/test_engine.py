@@ -501,10 +501,11 @@ def test_static_engine_refuses_what_it_does_not_do(models):
 
 
 def test_static_engine_sampling_matches_target_distribution():
-    """DSparkEngine(static=True) with sampled requests (two settings: temperature 0.8; temperature 1.1 with top-k 4)
-    and greedy ones in the same rounds, through random widths (sampled plain rounds, 1 or all 3 drafts verified):
-    1500 requests per sampled prompt, one chi-square test per prompt at ALPHA = 1e-3 (a correct sampler fails a
-    given seed with probability <= 0.2 % over the two); the greedy requests equal their solo greedy generate()."""
+    """DSparkEngine(static=True) with sampled requests (two settings, one after the other: temperature 0.8, whose
+    rounds skip top-k / top-p; temperature 1.1 with top-k 4) and greedy ones in the same rounds, through random widths
+    (sampled plain rounds, 1 or all 3 drafts verified): 1500 requests per sampled prompt, one chi-square test per
+    prompt at ALPHA = 1e-3 (a correct sampler fails a given seed with probability <= 0.2 % over the two); the greedy
+    requests equal their solo greedy generate()."""
     target = make_bigram_like(tiny_target("qwen3", vocab_size=VOCAB, eos_token_id=None), damping=0.3)
     with torch.no_grad():
         target.lm_head.weight.mul_(6.0)
@@ -514,19 +515,24 @@ def test_static_engine_sampling_matches_target_distribution():
     engine.runner.chooser = RandomWidths(engine.runner.chooser.widths, seed=4, plain_share=0.3)
     settings = [([4, 1, 5], dict(temperature=0.8), [TemperatureLogitsWarper(0.8)]),
                 ([3, 3], dict(temperature=1.1, top_k=4), [TemperatureLogitsWarper(1.1), TopKLogitsWarper(4)])]
-    copies, handles, greedy = 1500, [], []
-    for copy in range(copies):
-        for prompt, sampling, _ in settings:
+    rounds, unfiltered = engine.runner.rounds, []  # per sampled round: did it skip top-k / top-p?
+    sampled_round = rounds.sampled_round
+    rounds.sampled_round = lambda verify: lambda noise, *settings: (
+        unfiltered.append(settings[1] is None), sampled_round(verify)(noise, *settings))[1]
+    copies, greedy = 1500, []
+    for (prompt, sampling, processors), skips in zip(settings, (True, False)):
+        handles, unfiltered[:] = [], []
+        for copy in range(copies):
             handles.append(engine.add_request(prompt, max_tokens=NEW_TOKENS, **sampling))
-        if copy % 100 == 0:
-            greedy.append(engine.add_request([5, copy % VOCAB], max_tokens=NEW_TOKENS, temperature=0))
-    engine.run()
-    for index, (prompt, _, processors) in enumerate(settings):
+            if copy % 100 == 0:
+                greedy.append(engine.add_request([5, copy % VOCAB], max_tokens=NEW_TOKENS, temperature=0))
+        engine.run()
         counts = {}
-        for handle in handles[index::len(settings)]:
+        for handle in handles:
             counts[tuple(handle.tokens)] = counts.get(tuple(handle.tokens), 0) + 1
         expected = exact_distribution(target, LogitsProcessorList(processors), prompt)
         assert chi_square_p_value(counts, expected, copies) > ALPHA
+        assert set(unfiltered) == {skips}
     for handle in greedy:
         assert handle.tokens == solo(target, handle.prompt_ids, NEW_TOKENS)
     accepted = [n for entry in engine.round_log if entry["speculative"] for n in entry["accepted"]]

@@ -54,6 +54,7 @@ class StaticRows:
         self.pending = [0] * max_batch_size  # per row: target features waiting in the drafter's pending context
         self.sampler = sampler
         self.sampled = [False] * max_batch_size  # per row: does its request sample
+        self.filtered = [False] * max_batch_size  # ... with top-k or top-p (else the rounds skip their sort)
         device = target.device  # per row (sampled rounds): temperature, top-k (0: off), top-p; free rows: greedy
         self.temperature = torch.ones(max_batch_size, device=device)
         self.top_k = torch.zeros(max_batch_size, dtype=torch.long, device=device)
@@ -148,12 +149,14 @@ class StaticRows:
         index = torch.tensor(slots, dtype=torch.long, device=self.temperature.device)
         if rows is None:
             sample, temperature, top_k, top_p = [False] * len(slots), 1.0, 0, 1.0
+            filtered = sample
         else:
             sample, temperature, top_k, top_p = self.sampler.params(rows, self.temperature.device)
+            filtered = (sample & ((top_k > 0) | (top_p < 1.0))).tolist()
             sample = sample.tolist()
         self.temperature[index], self.top_k[index], self.top_p[index] = temperature, top_k, top_p
-        for slot, sampled in zip(slots, sample):
-            self.sampled[slot] = sampled
+        for slot, sampled, filters in zip(slots, sample, filtered):
+            self.sampled[slot], self.filtered[slot] = sampled, filters
 
     def remove(self, rows: list[Row]) -> None:
         """Frees the rows of finished or cancelled requests."""
@@ -210,7 +213,8 @@ class StaticRows:
         noise = torch.ones(shape, device=device)
         rows = torch.tensor([slot for slot, sampled in enumerate(self.sampled) if sampled], device=device)
         noise[rows] = exponential_noise((len(rows), *shape[1:]), generator, device)
-        settings = (self.temperature, self.top_k, self.top_p)
+        filters = (self.top_k, self.top_p) if any(self.filtered) else (None, None)  # (one more graph each)
+        settings = (self.temperature, *filters)
         if verify == 0:
             rounds.sampled_round(0)(noise, *settings)
             return
@@ -219,7 +223,7 @@ class StaticRows:
         result = verify_drafts(drafts.reshape(-1), torch.full((batch,), verify, device=device),
                                logits.reshape(-1, vocab), probs.reshape(-1, vocab),
                                do_sample=torch.tensor(self.sampled, device=device),
-                               temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seeds=seeds,
+                               temperature=self.temperature, top_k=filters[0], top_p=filters[1], seeds=seeds,
                                max_draft_len=verify)
         rounds.advance(result.num_accepted, result.output_tokens, features)
 
