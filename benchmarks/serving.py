@@ -450,7 +450,8 @@ def run_static_cells(target, drafter, prompts, concurrency: int, names: list[str
     compile_rounds = dict(backend="cudagraphs", dynamic=False) if args.static_compile == "cudagraphs" else None
     engines = {kind: DSparkEngine(target, drafter if kind == "speculative" else None, static=True,
                                   policy="hardware_aware" if kind == "speculative" else "none",
-                                  max_batch_size=concurrency, max_model_len=longest + 8, static_compile=compile_rounds)
+                                  max_batch_size=concurrency, max_model_len=longest + 8, static_compile=compile_rounds,
+                                  admission_batch=min(args.admission_batch, concurrency))
                for kind in ("plain", "speculative")}
     chooser = engines["speculative"].runner.chooser
 
@@ -572,13 +573,17 @@ def main() -> None:
     parser.add_argument("--breakdown-at", type=int, nargs="*", default=[1, 32, 256], help="none: skip the breakdown")
     parser.add_argument("--no-paged", dest="paged", action="store_false", help="skip transformers' paged baseline")
     parser.add_argument("--static", action="store_true",
-                        help="DSparkEngine(static=True): one CUDA graph per round (code50m or smoke; see the docstring)")
+                        help="DSparkEngine(static=True): one CUDA graph per round (code50m or smoke; see the "
+                             "docstring)")
     parser.add_argument("--static-compile", choices=["inductor", "cudagraphs"], default="inductor",
                         help="--static's rounds: torch.compile(mode='reduce-overhead') (inductor's kernels in CUDA "
                              "graphs; the default) or backend='cudagraphs' (the eager kernels captured: compiles in "
                              "seconds)")
-    parser.add_argument("--out", help="JSON path (default benchmarks/results/serving_h200.json, serving_static_h200.json "
-                        "with --static; a temp dir for smoke)")
+    parser.add_argument("--admission-batch", type=int, default=1,
+                        help="--static: DSparkEngine's admission_batch (waiting requests join once this many rows are "
+                             "free; capped at the concurrency)")
+    parser.add_argument("--out", help="JSON path (default benchmarks/results/serving_h200.json, "
+                        "serving_static_h200.json with --static; a temp dir for smoke)")
     args = parser.parse_args()
     if args.static and args.model == "qwen3-4b-shape":
         parser.error("--static runs code50m or smoke: replaying a trace needs the eager engine's rounds")
@@ -619,8 +624,8 @@ def main() -> None:
                           temperature=0.0, ignore_eos=True, threshold=args.threshold, concurrency=args.concurrency,
                           requests_per_slot=args.requests_per_slot, repeats=args.repeats,
                           protocol="sequential" if args.sequential or args.static else "interleaved",
-                          engine=f"static (DSparkEngine(static=True), {args.static_compile})" if args.static
-                          else "eager",
+                          engine=f"static (DSparkEngine(static=True), {args.static_compile}, admission_batch "
+                                 f"{args.admission_batch})" if args.static else "eager",
                           length_spread=args.length_spread,
                           prompts="random ids" if args.model == "smoke" else "HumanEval (code50m tokenizer)",
                           acceptance="replayed from serving_trace_code50m.json (timing only)" if trace is not None
@@ -671,7 +676,8 @@ def main() -> None:
                 setting = policies(args.threshold, gamma_max)[name]
                 breakdown.append(round_breakdown(target, drafter, prompts, c, setting, args, sps_table, trace))
     save()
-    for concurrency in args.concurrency if args.paged and not args.static else ():  # transformers' manager: its own thread, no_grad
+    # transformers' manager (its own thread, no_grad); skipped with --static: serving_h200.json holds that comparison
+    for concurrency in args.concurrency if args.paged and not args.static else ():
         try:
             paged.append(run_paged(target, prompts, concurrency, args))
         except Exception as error:  # noqa: BLE001 - recorded, the rest of the benchmark stands

@@ -485,6 +485,30 @@ def test_static_engine_compiles_one_graph_per_width():
     assert len(compilations) == len(widths[0]) + len(widths[1]) + 1  # greedy and sampled graphs, and the flush
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+def test_admission_batch_waits_for_enough_free_rows(models, static):
+    """admission_batch=3: after the first prefill, waiting requests join only when at least 3 rows are free (or
+    fewer requests wait); outputs stay exact. With the default, requests join one or two at a time as rows free."""
+    target, drafter = models
+    sizes = {}
+    for batch in (1, 3):
+        engine = DSparkEngine(target, drafter, max_batch_size=4, max_model_len=64, static=static, policy="fixed",
+                              admission_batch=batch, default_sampling={"temperature": 0})
+        rng = random.Random(2)
+        handles = [engine.add_request([rng.randrange(4, VOCAB_SIZE) for _ in range(rng.randint(1, 9))],
+                                      max_tokens=rng.randint(4, 40)) for _ in range(14)]
+        engine.run()
+        for handle in handles:
+            assert handle.tokens == solo(target, handle.prompt_ids, handle.params.max_tokens)
+        sizes[batch] = [entry["admitted"] for entry in engine.round_log if entry["admitted"]]
+        assert sum(sizes[batch]) == 14 and sizes[batch][0] == 4
+    remaining = 10
+    for size in sizes[3][1:]:
+        assert min(3, remaining) <= size <= 4
+        remaining -= size
+    assert min(sizes[1]) < 3 and len(sizes[1]) > len(sizes[3])
+
+
 def test_static_engine_refuses_what_it_does_not_do(models):
     target, drafter = models
     with pytest.raises(ValueError, match="max_model_len"):
@@ -498,6 +522,8 @@ def test_static_engine_refuses_what_it_does_not_do(models):
         DSparkEngine(target, drafter, static=True, max_model_len=64, policy="fixed", gamma=99)
     with pytest.raises(ValueError, match="speculation_guard"):
         DSparkEngine(target, drafter, static=True, max_model_len=64, policy="hardware_aware", speculation_guard=True)
+    with pytest.raises(ValueError, match="admission_batch"):
+        DSparkEngine(target, drafter, max_batch_size=4, admission_batch=5)
 
 
 def test_static_engine_sampling_matches_target_distribution():

@@ -92,7 +92,8 @@ def test_static_cells_run_every_policy_on_two_kept_engines(models):
     """`--static`: each policy's runs (warm-up first) on the concurrency's two engines; fixed γ verifies γ drafts per
     round, no speculation none, the hardware-aware chooser any of its widths, and every request gets its length."""
     target, drafter, prompts = models
-    args = argparse.Namespace(**vars(ARGS), repeats=2, static_compile="inductor")  # (compiles nothing on the CPU)
+    args = argparse.Namespace(**vars(ARGS), repeats=2, static_compile="inductor",  # (compiles nothing on the CPU)
+                              admission_batch=1)
     names = ["no_spec", "fixed_1", "fixed_3", "fixed_7", "hardware_aware"]
     runs = serving.run_static_cells(target, drafter, prompts, 2, names, args)
     lengths = serving.request_lengths(4, ARGS)

@@ -25,8 +25,9 @@ kernel, which takes each row's additive mask, with fused projections (`static_lo
 models' own implementation with a 4D mask (SDPA by default).
 
 For `DSparkEngine(static=True)`, rounds can also verify fewer drafts (`greedy_round(v)` / `sampled_round(v)`, one
-graph per v) or none: a plain round then appends its target features to the drafter's pending context (up to γ + 1 columns, which
-`flush()` writes into the drafter cache), so that the next speculative round drafts from the whole context.
+graph per v) or none: a plain round then appends its target features to the drafter's pending context (up to γ + 1
+columns, which `flush()` writes into the drafter cache), so that the next speculative round drafts from the whole
+context.
 """
 
 from __future__ import annotations

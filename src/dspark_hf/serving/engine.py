@@ -148,6 +148,8 @@ class DSparkEngine:
             (no speculation: the drafter is not run), or None: the drafter's `generation_config` defaults
             (`dspark_policy`, `dspark_threshold`, `dspark_sps_table`; "fixed" when it has none), as in generate().
         max_batch_size: requests decoded at once; the others wait (FIFO) and join between rounds.
+        admission_batch: waiting requests join once at least this many rows are free (or as many as are waiting, or
+            none is running): fewer, larger admission prefills, for rows left idle a few rounds. Default 1: at once.
         max_model_len: context limit (default: the target's `max_position_embeddings`).
         seed: seeds the engine's random generator (draft sampling and verification noise).
         default_sampling: defaults for `add_request`'s sampling arguments (e.g. `{"temperature": 0}`).
@@ -171,13 +173,17 @@ class DSparkEngine:
                  sps_table: SPSTable | str | None = None, max_batch_size: int = 64, max_model_len: int | None = None,
                  seed: int = 0, default_sampling: dict | None = None, compact_threshold: float = 0.5,
                  speculation_guard: bool | SpeculationGuard | None = None, profile_rounds: bool = False,
-                 static: bool = False, static_compile: bool | dict | None = None):
+                 static: bool = False, static_compile: bool | dict | None = None, admission_batch: int = 1):
         check_batchable_target(target)
         if drafter is not None:
             check_drafter_fits_target(drafter.config, target)
             drafter.share_target_weights(target)
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}.")
+        if not 1 <= admission_batch <= max_batch_size:
+            raise ValueError(f"admission_batch must be between 1 and max_batch_size ({max_batch_size}), got "
+                             f"{admission_batch}.")
+        self.admission_batch = admission_batch
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
         self.generator = torch.Generator(device=target.device).manual_seed(seed)
         if static:  # before the eager engine's policy checks: the static rows schedule differently
@@ -309,8 +315,10 @@ class DSparkEngine:
                 self.waiting.remove(request)
                 request._finish("cancelled")
             admitted = []
-            while self.waiting and len(self.runner.rows) - len(cancelled) + len(admitted) < self.max_batch_size:
-                admitted.append(self.waiting.popleft())
+            free = self.max_batch_size - len(self.runner.rows) + len(cancelled)
+            if free >= min(self.admission_batch, len(self.waiting)) or free == self.max_batch_size:
+                while self.waiting and len(admitted) < free:
+                    admitted.append(self.waiting.popleft())
         for row in cancelled:
             row.tag._finish("cancelled")
         self.runner.remove(cancelled)
