@@ -118,6 +118,22 @@ def _static_rows(target, drafter, policy, gamma, threshold, sps_table, guard, ma
                       chooser=chooser, sampler=sampler)
 
 
+def _speculative_rows(target, drafter, policy, gamma, threshold, sps_table, guard, compact_threshold,
+                      sampler: RequestSampler) -> SpeculativeRows:
+    """The eager engine's runner, with its policy and speculation guard (default: on for the hardware-aware
+    policies; a guard without an SPS table gets the policy's)."""
+    speculate, scheduler = _engine_policy(policy, drafter, threshold, sps_table, gamma)
+    if guard is None:
+        guard = scheduler is not None and scheduler.name.startswith("hardware_aware")
+    if guard is True:
+        guard = SpeculationGuard()
+    if guard and guard.sps_table is None and scheduler is not None:
+        guard.sps_table = scheduler.params.get("sps_table")
+    return SpeculativeRows(target, drafter if speculate else None, sampler, scheduler,
+                           drafter.config.sts_temperatures if drafter is not None else None,
+                           compact_threshold=compact_threshold, guard=guard or None)
+
+
 def _engine_policy(policy, drafter, threshold, sps_table, gamma) -> tuple[bool, SchedulerPolicy | None]:
     """(speculate, policy) from the engine's arguments."""
     if drafter is None or policy in ("none", "no_speculation"):
@@ -186,12 +202,13 @@ class DSparkEngine:
         self.admission_batch = admission_batch
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
         self.generator = torch.Generator(device=target.device).manual_seed(seed)
-        if static:  # before the eager engine's policy checks: the static rows schedule differently
+        sampler = RequestSampler(self.generator)
+        if static:
             self.runner = _static_rows(target, drafter, policy, gamma, threshold, sps_table, speculation_guard,
-                                       max_batch_size, max_model_len, static_compile, RequestSampler(self.generator))
-            speculate, scheduler, speculation_guard = False, None, False
+                                       max_batch_size, max_model_len, static_compile, sampler)
         else:
-            speculate, scheduler = _engine_policy(policy, drafter, threshold, sps_table, gamma)
+            self.runner = _speculative_rows(target, drafter, policy, gamma, threshold, sps_table, speculation_guard,
+                                            compact_threshold, sampler)
         text = target.config.get_text_config()
         self.vocab_size = text.vocab_size
         self.max_model_len = max_model_len or getattr(text, "max_position_embeddings", None)
@@ -200,17 +217,6 @@ class DSparkEngine:
         self._default_max_given = bool({"max_tokens", "max_new_tokens"} & set(default_sampling or {}))
         eos = target.generation_config.eos_token_id
         self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
-        if speculation_guard is None:
-            speculation_guard = scheduler is not None and scheduler.name.startswith("hardware_aware")
-        if speculation_guard is True:
-            speculation_guard = SpeculationGuard()
-        if speculation_guard and speculation_guard.sps_table is None and scheduler is not None:
-            speculation_guard.sps_table = scheduler.params.get("sps_table")
-        self.static = static
-        if not static:
-            self.runner = SpeculativeRows(target, drafter if speculate else None, RequestSampler(self.generator),
-                                          scheduler, drafter.config.sts_temperatures if drafter is not None else None,
-                                          compact_threshold=compact_threshold, guard=speculation_guard or None)
         if profile_rounds:
             self.runner.profiler = RoundProfiler(target.device)
         self.requests: dict[str, Request] = {}
