@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-from pathlib import Path
 
 import torch
 from common import (REPO, RESULTS, SHARED, environment, materialize_fixture, scratch_dir, stdlib_code_prompts,

@@ -40,6 +40,17 @@ def solo(target, prompt: list[int], max_tokens: int) -> list[int]:
     return _SOLO[key]
 
 
+def serve_exactly(engine: DSparkEngine, target, rng: random.Random, count: int, longest_prompt: int,
+                  budgets: tuple[int, int]) -> None:
+    """Queues `count` requests (random prompts of 1..`longest_prompt` tokens, budgets drawn from `budgets`), runs the
+    engine, and checks that every request equals its solo greedy generate()."""
+    handles = [engine.add_request([rng.randrange(4, VOCAB_SIZE) for _ in range(rng.randint(1, longest_prompt))],
+                                  max_tokens=rng.randint(*budgets)) for _ in range(count)]
+    engine.run()
+    for handle in handles:
+        assert handle.tokens == solo(target, handle.prompt_ids, handle.params.max_tokens)
+
+
 def char_tokenizer() -> PreTrainedTokenizerFast:
     """One character per token: 'A' = 0, 'B' = 1, 'C' = 2 (eos), ... (48 tokens)."""
     vocab = {chr(ord("A") + i): i for i in range(VOCAB_SIZE)}
@@ -164,11 +175,7 @@ def test_policies_give_per_request_verify_lengths_and_stay_exact(models, policy,
     engine = DSparkEngine(target, drafter, policy=policy, max_batch_size=8, default_sampling={"temperature": 0},
                           speculation_guard=False, **kwargs)  # the guard's timing-driven plain rounds: tested below
     rng = random.Random(7)
-    handles = [engine.add_request([rng.randrange(4, VOCAB_SIZE) for _ in range(rng.randint(1, 11))],
-                                  max_tokens=rng.randint(5, 25)) for _ in range(10)]
-    engine.run()
-    for handle in handles:
-        assert handle.tokens == solo(target, handle.prompt_ids, handle.params.max_tokens)
+    serve_exactly(engine, target, rng, 10, 11, (5, 25))
     verified = [n for entry in engine.round_log for n in entry["verify"]]
     if policy == "none":
         assert set(verified) == {0}
@@ -276,11 +283,7 @@ def test_plain_rounds_chosen_by_the_guard_stay_exact(models):
     engine = DSparkEngine(target, drafter, policy="hardware_aware", max_batch_size=4, sps_table=table,
                           speculation_guard=AlternatingGuard(), default_sampling={"temperature": 0})
     rng = random.Random(3)
-    handles = [engine.add_request([rng.randrange(4, VOCAB_SIZE) for _ in range(rng.randint(1, 9))],
-                                  max_tokens=rng.randint(8, 30)) for _ in range(7)]
-    engine.run()
-    for handle in handles:
-        assert handle.tokens == solo(target, handle.prompt_ids, handle.params.max_tokens)
+    serve_exactly(engine, target, rng, 7, 9, (8, 30))
     kinds = [entry["speculative"] for entry in engine.round_log]
     assert kinds[:4] == [True, False, True, False]
     assert max(n for entry in engine.round_log if entry["speculative"] for n in entry["accepted"]) > 1
@@ -445,11 +448,7 @@ def test_static_engine_drafts_from_each_requests_whole_context_across_plain_roun
     flush, flushes = runner.rounds.flush, []
     runner.rounds.flush = lambda: flushes.append(flush())
     rng = random.Random(11)
-    handles = [engine.add_request([rng.randrange(4, VOCAB_SIZE) for _ in range(rng.randint(1, 12))],
-                                  max_tokens=rng.randint(8, 30)) for _ in range(7)]
-    engine.run()
-    for handle in handles:
-        assert handle.tokens == solo(target, handle.prompt_ids, handle.params.max_tokens)
+    serve_exactly(engine, target, rng, 7, 12, (8, 30))
     plain = [entry for entry in engine.round_log if not entry["speculative"]]
     assert len(checked) > 10 and len(plain) > 5 and flushes
 
@@ -469,11 +468,7 @@ def test_static_engine_compiles_one_graph_per_width():
                           default_sampling={"temperature": 0})
     engine.runner.chooser = RandomWidths(engine.runner.chooser.widths, seed=2, plain_share=0.5)
     rng = random.Random(3)
-    handles = [engine.add_request([rng.randrange(4, VOCAB_SIZE) for _ in range(rng.randint(1, 10))],
-                                  max_tokens=rng.randint(10, 30)) for _ in range(5)]
-    engine.run()
-    for handle in handles:
-        assert handle.tokens == solo(target, handle.prompt_ids, handle.params.max_tokens)
+    serve_exactly(engine, target, rng, 5, 10, (10, 30))
     greedy_rounds = len(engine.round_log)
     sampled = [engine.add_request([rng.randrange(4, VOCAB_SIZE) for _ in range(4)], max_tokens=30, temperature=0.9,
                                   top_p=0.9, ignore_eos=True) for _ in range(3)]
@@ -495,11 +490,7 @@ def test_admission_batch_waits_for_enough_free_rows(models, static):
         engine = DSparkEngine(target, drafter, max_batch_size=4, max_model_len=64, static=static, policy="fixed",
                               admission_batch=batch, default_sampling={"temperature": 0})
         rng = random.Random(2)
-        handles = [engine.add_request([rng.randrange(4, VOCAB_SIZE) for _ in range(rng.randint(1, 9))],
-                                      max_tokens=rng.randint(4, 40)) for _ in range(14)]
-        engine.run()
-        for handle in handles:
-            assert handle.tokens == solo(target, handle.prompt_ids, handle.params.max_tokens)
+        serve_exactly(engine, target, rng, 14, 9, (4, 40))
         sizes[batch] = [entry["admitted"] for entry in engine.round_log if entry["admitted"]]
         assert sum(sizes[batch]) == 14 and sizes[batch][0] == 4
     remaining = 10
