@@ -30,6 +30,7 @@ def test_notebook_executes(notebook, tmp_path, monkeypatch):
     pytest.importorskip("ipykernel")
     for key, value in OFFLINE.items():
         monkeypatch.setenv(key, value)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the notebooks' temporary folders go with pytest's own
     nb = nbformat.read(notebook, as_version=4)
     client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
                                      resources={"metadata": {"path": str(tmp_path)}})
@@ -41,7 +42,7 @@ def test_notebook_executes(notebook, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
 def test_script_runs(script, tmp_path):
-    env = {**os.environ, **OFFLINE}
+    env = {**os.environ, **OFFLINE, "TMPDIR": str(tmp_path)}
     env.pop("HF_TOKEN", None)
     result = subprocess.run([sys.executable, str(script), "--output", str(tmp_path / "out")], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=300)
