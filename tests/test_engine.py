@@ -419,13 +419,16 @@ def test_static_engine_serves_arrivals_and_cancellations_exactly(models, setting
         assert any(len(set(entry["accepted"])) > 1 for entry in engine.round_log)
 
 
-def test_static_engine_drafts_from_each_requests_whole_context_across_plain_rounds(models):
+@pytest.mark.parametrize("head", [dict(), dict(head_type="rnn"), dict(markov_rank=0, confidence=False)],
+                         ids=["vanilla", "rnn", "dflash"])
+def test_static_engine_drafts_from_each_requests_whole_context_across_plain_rounds(models, head):
     """Plain rounds put their features in the drafter's pending context, which the rows flush when full: with random
     widths and requests joining finished ones' rows, every drafting round proposes, for every request, what the
     drafter proposes given its whole committed context (a random drafter: its drafts depend on all of it), and after
-    every round each request's row of the drafter cache holds exactly its context's K/V."""
+    every round each request's row of the drafter cache holds exactly its context's K/V. Markov heads of each kind,
+    and none (a DFlash drafter)."""
     target, _ = models
-    drafter = tiny_drafter(target, block_size=5, seed=3)
+    drafter = tiny_drafter(target, block_size=5, seed=3, **head)
     engine = DSparkEngine(target, drafter, max_batch_size=3, max_model_len=64, static=True, policy="hardware_aware",
                           default_sampling={"temperature": 0})
     runner = engine.runner
