@@ -481,7 +481,8 @@ def run_static_cells(target, drafter, prompts, concurrency: int, names: list[str
             elif plain_tokens is not None:  # (bf16: compiled graphs of other shapes may break argmax ties otherwise)
                 cell["matched_no_spec"] = statistics.fmean(a == b for a, b in zip(tokens, plain_tokens))
             if name == "hardware_aware":
-                cell["chooser"] = {str(k): v for k, v in chooser.summary().items()}
+                cell["chooser"] = {str(rows): {str(width): times for width, times in widths.items()}
+                                   for rows, widths in chooser.summary().items()}
             runs[name].append(cell)
     return runs
 

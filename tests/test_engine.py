@@ -15,6 +15,7 @@ from tokenizers.models import WordLevel
 from transformers import LogitsProcessorList, PreTrainedTokenizerFast, TemperatureLogitsWarper, TopKLogitsWarper
 
 import dspark_hf  # noqa: F401
+from dspark_hf.generation.static_batch import StaticBatchRounds
 from dspark_hf.scheduling import RoundWidthChooser, SpeculationGuard, SPSTable
 from dspark_hf.serving import DSparkEngine
 
@@ -368,7 +369,7 @@ class RandomWidths(RoundWidthChooser):
         super().__init__(widths)
         self.rng, self.plain_share = random.Random(seed), plain_share
 
-    def choose(self) -> int:
+    def choose(self, rows: int = 0) -> int:
         return 0 if self.rng.random() < self.plain_share else self.rng.choice(self.widths[1:])
 
 
@@ -382,7 +383,8 @@ def test_static_engine_serves_arrivals_and_cancellations_exactly(models, setting
     """DSparkEngine(static=True): requests of random lengths arrive at random rounds and take free rows of the static
     caches, some are cancelled; every finished request equals its solo greedy generate() (a cancelled one, a prefix
     of it), and rows accept different numbers of drafts. With every policy: all drafts, 2 of them, the hardware-aware
-    choice among plain rounds and 1, 3 or γ drafts (on this CPU's timings), and random such choices."""
+    choice among plain rounds and 1, 3 or γ drafts (on this CPU's timings), and random such choices. Rounds run on the
+    smallest power-of-two prefix of the rows that holds every request."""
     target, drafter = models
     engine = DSparkEngine(target, drafter, max_batch_size=4, max_model_len=64, static=True,
                           default_sampling={"temperature": 0}, **STATIC_SETTINGS[setting])
@@ -415,13 +417,14 @@ def test_static_engine_serves_arrivals_and_cancellations_exactly(models, setting
         setting, {0, 1, 3, drafter.config.num_draft_slots})
     assert verified == expected
     assert all(len(set(entry["verify"])) == 1 for entry in engine.round_log)  # one width per round
+    assert engine.runner.rounds._prefixes  # some rounds ran on the first rows alone (the others were free)
     if setting != "plain":
         assert any(len(set(entry["accepted"])) > 1 for entry in engine.round_log)
 
 
 @pytest.mark.parametrize("head", [dict(), dict(head_type="rnn"), dict(markov_rank=0, confidence=False)],
                          ids=["vanilla", "rnn", "dflash"])
-def test_static_engine_drafts_from_each_requests_whole_context_across_plain_rounds(models, head):
+def test_static_engine_drafts_from_each_requests_whole_context_across_plain_rounds(models, head, monkeypatch):
     """Plain rounds put their features in the drafter's pending context, which the rows flush when full: with random
     widths and requests joining finished ones' rows, every drafting round proposes, for every request, what the
     drafter proposes given its whole committed context (a random drafter: its drafts depend on all of it), and after
@@ -448,8 +451,8 @@ def test_static_engine_drafts_from_each_requests_whole_context_across_plain_roun
         return committed
 
     runner.step = checked_step
-    flush, flushes = runner.rounds.flush, []
-    runner.rounds.flush = lambda: flushes.append(flush())
+    flush, flushes = StaticBatchRounds.flush, []
+    monkeypatch.setattr(StaticBatchRounds, "flush", lambda rounds: flushes.append(flush(rounds)))
     rng = random.Random(11)
     serve_exactly(engine, target, rng, 7, 12, (8, 30))
     plain = [entry for entry in engine.round_log if not entry["speculative"]]
@@ -480,7 +483,10 @@ def test_static_engine_compiles_one_graph_per_width():
     widths = [{entry["verify"][0] for entry in log} for log in (engine.round_log[:greedy_rounds],
                                                                  engine.round_log[greedy_rounds:])]
     assert widths[0] == set(engine.runner.chooser.widths) and len(widths[1]) > 1
-    assert len(compilations) == len(widths[0]) + len(widths[1]) + 1  # greedy and sampled graphs, and the flush
+    rounds = [engine.runner.rounds, *engine.runner.rounds._prefixes.values()]  # all rows, and the first one alone
+    assert len(rounds) == 2 and all(r._rounds_by_kind for r in rounds)
+    # each (rows, greedy or sampled, width) and each flush compiled once
+    assert len(compilations) == sum(len(r._rounds_by_kind) for r in rounds)
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
@@ -520,7 +526,7 @@ def test_static_engine_refuses_what_it_does_not_do(models):
         DSparkEngine(target, drafter, max_batch_size=4, admission_batch=5)
 
 
-def test_static_engine_sampling_matches_target_distribution():
+def test_static_engine_sampling_matches_target_distribution(monkeypatch):
     """DSparkEngine(static=True) with sampled requests (two settings, one after the other: temperature 0.8, whose
     rounds skip top-k / top-p; temperature 1.1 with top-k 4) and greedy ones in the same rounds, through random widths
     (sampled plain rounds, 1 or all 3 drafts verified): 1500 requests per sampled prompt, one chi-square test per
@@ -535,10 +541,9 @@ def test_static_engine_sampling_matches_target_distribution():
     engine.runner.chooser = RandomWidths(engine.runner.chooser.widths, seed=4, plain_share=0.3)
     settings = [([4, 1, 5], dict(temperature=0.8), [TemperatureLogitsWarper(0.8)]),
                 ([3, 3], dict(temperature=1.1, top_k=4), [TemperatureLogitsWarper(1.1), TopKLogitsWarper(4)])]
-    rounds, unfiltered = engine.runner.rounds, []  # per sampled round: did it skip top-k / top-p?
-    sampled_round = rounds.sampled_round
-    rounds.sampled_round = lambda verify: lambda noise, *settings: (
-        unfiltered.append(settings[1] is None), sampled_round(verify)(noise, *settings))[1]
+    unfiltered, sampled_round = [], StaticBatchRounds.sampled_round  # per sampled round: did it skip top-k / top-p?
+    monkeypatch.setattr(StaticBatchRounds, "sampled_round", lambda rounds, verify: lambda noise, *settings: (
+        unfiltered.append(settings[1] is None), sampled_round(rounds, verify)(noise, *settings))[1])
     copies, greedy = 1500, []
     for (prompt, sampling, processors), skips in zip(settings, (True, False)):
         handles, unfiltered[:] = [], []

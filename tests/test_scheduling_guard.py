@@ -132,13 +132,13 @@ def test_rounds_without_tokens_are_ignored_and_arguments_checked():
 
 
 def drive_widths(chooser: RoundWidthChooser, rounds: int, seconds: dict, hazards: list[float], rows: int = 16,
-                 seed: int = 0) -> list[int]:
-    """`rounds` rounds: width v takes `seconds[v]` (ten times longer the first two times: compilation), and each of
-    `rows` rows accepts draft j (given drafts < j) with probability `hazards[j - 1]`."""
+                 seed: int = 0, bucket: int = 0) -> list[int]:
+    """`rounds` rounds of `bucket` rows: width v takes `seconds[v]` (ten times longer the first two times:
+    compilation), and each of `rows` requests accepts draft j (given drafts < j) with probability `hazards[j - 1]`."""
     rng = random.Random(seed)
     runs, chosen = dict.fromkeys(seconds, 0), []
     for _ in range(rounds):
-        width = chooser.choose()
+        width = chooser.choose(bucket)
         runs[width] += 1
         accepted = []
         for _ in range(rows):
@@ -146,7 +146,7 @@ def drive_widths(chooser: RoundWidthChooser, rounds: int, seconds: dict, hazards
             while count < width and rng.random() < hazards[count]:
                 count += 1
             accepted.append(count)
-        chooser.record(width, seconds[width] * (10 if runs[width] <= 2 else 1), accepted)
+        chooser.record(width, seconds[width] * (10 if runs[width] <= 2 else 1), accepted, bucket)
         chosen.append(width)
     return chosen
 
@@ -192,6 +192,19 @@ def test_width_chooser_follows_a_change_of_acceptance():
     assert drive_widths(chooser, 300, seconds, [0.9] * 7)[-50:].count(7) >= 48
     hard = drive_widths(chooser, 300, seconds, [0.1] * 7, seed=1)  # the text got hard: plain rounds win
     assert hard[-50:].count(0) >= 46  # (the change of choice restarted the others' refreshes at 20 rounds)
+
+
+def test_width_chooser_times_each_number_of_rows_apart():
+    """Rounds of 4 rows cost nearly the same at every width, rounds of 64 rows much more when they verify more: with the
+    same acceptance, all drafts win in the first and plain rounds in the second, and the summary keeps both."""
+    chooser = RoundWidthChooser((0, 1, 3, 7))
+    small, large = {0: 1.0, 1: 1.05, 3: 1.1, 7: 1.2}, {0: 1.0, 1: 1.8, 3: 2.6, 7: 4.5}
+    for _ in range(4):
+        few = drive_widths(chooser, 100, small, [0.6] * 7, bucket=4)
+        many = drive_widths(chooser, 100, large, [0.6] * 7, bucket=64)
+    assert few[-50:].count(7) >= 48 and many[-50:].count(0) >= 48
+    summary = chooser.summary()
+    assert set(summary) == {4, 64} and summary[64][7]["round_ms"] == pytest.approx(4500)
 
 
 def test_width_chooser_refuses_bad_settings():

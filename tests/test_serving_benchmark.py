@@ -104,5 +104,6 @@ def test_static_cells_run_every_policy_on_two_kept_engines(models):
             widths = {int(k) for k in cell["verify_length_histogram"]}
             expected = {"no_spec": {0}, "hardware_aware": {0, 1, 3, 7}}.get(name) or {int(name.split("_")[1])}
             assert widths <= expected and widths
-    assert set(runs["hardware_aware"][-1]["chooser"]) == {"0", "1", "3", "7"}
+    chooser = runs["hardware_aware"][-1]["chooser"]  # per number of rows the rounds ran, per width
+    assert "2" in chooser and all(set(widths) == {"0", "1", "3", "7"} for widths in chooser.values())
     assert all(cell["matched_no_spec"] == 1.0 for name in names[1:] for cell in runs[name])  # float32: lossless

@@ -32,6 +32,7 @@ context.
 
 from __future__ import annotations
 
+import copy
 import functools
 import weakref
 from collections.abc import Callable
@@ -72,6 +73,14 @@ class RowStaticLayer(StaticLayer):
             cache.scatter_(2, columns[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[-1]), states)
         return self.keys, self.values
 
+    def prefix(self, rows: int) -> RowStaticLayer:
+        """This layer's first `rows` rows: a layer whose tensors are views of these (it writes into them)."""
+        layer = copy.copy(self)
+        layer.keys, layer.values = self.keys[:rows], self.values[:rows]
+        layer.cumulative_length = self.cumulative_length[:rows]
+        layer.batch_size = rows
+        return layer
+
 
 class RowStaticCache(Cache):
     """One `RowStaticLayer` per attention layer of a model: `capacity` columns for each of `batch_size` rows."""
@@ -79,6 +88,12 @@ class RowStaticCache(Cache):
     def __init__(self, num_layers: int, capacity: int, batch_size: int, device: torch.device):
         super().__init__(layers=[RowStaticLayer(capacity, batch_size, device) for _ in range(num_layers)])
         self.capacity = capacity
+
+    def prefix(self, rows: int) -> RowStaticCache:
+        """The cache of the first `rows` rows, a view of this one (`RowStaticLayer.prefix`)."""
+        cache = copy.copy(self)
+        cache.layers = [layer.prefix(rows) for layer in self.layers]
+        return cache
 
     def move_to(self, columns: torch.Tensor) -> None:
         """Sets every row's write position (`columns` [B], on the device: no host sync)."""
@@ -173,9 +188,35 @@ class StaticBatchRounds:
                                                                                  dynamic=False)
         self.compiled = self._compiled(self.step)
         self._rounds_by_kind: dict[tuple[str, int] | str, Callable] = {}
+        self._prefixes: dict[int, StaticBatchRounds] = {}
 
     def _compiled(self, function: Callable) -> Callable:
-        return function if self.compile_options is None else torch.compile(function, **self.compile_options)
+        if self.compile_options is None:
+            return function
+        # one dynamo entry per round function and shape: a few widths, kinds and row prefixes are more than its default
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        return torch.compile(function, **self.compile_options)
+
+    def prefix(self, rows: int) -> StaticBatchRounds:
+        """The rounds of the first `rows` rows alone (after `prefill`): state and caches are views of these, so what
+        a round on it writes these hold, and it compiles graphs of its own. Kept per size. `DSparkEngine(static=True)`
+        runs its rounds on the smallest power-of-two prefix that holds every request."""
+        if rows == self.pad.shape[0]:
+            return self
+        if rows not in self._prefixes:
+            view = copy.copy(self)
+            for name in ("pad", "anchor", "column", "context_column", "active", "record", "drafts", "features"):
+                tensor = getattr(self, name)
+                if tensor is not None:
+                    setattr(view, name, tensor[:rows])
+                    if self.compile_options is not None:
+                        torch._dynamo.mark_static_address(getattr(view, name))
+            view.target_cache = self.target_cache.prefix(rows)
+            view.drafter_cache = self.drafter_cache.prefix(rows) if self.drafter_cache is not None else None
+            view.step = view.compiled = None  # (bound to this instance; a prefix runs `greedy_round` and the like)
+            view._rounds_by_kind, view._prefixes = {}, {}
+            self._prefixes[rows] = view
+        return self._prefixes[rows]
 
     def greedy_round(self, verify: int) -> Callable[[], None]:
         """The greedy round that verifies the first `verify` of each row's drafts (0: a plain round, which with a

@@ -1,10 +1,11 @@
 """`StaticRows`: `DSparkEngine`'s rows on static caches (`DSparkEngine(..., static=True)`), greedy.
 
 The same interface as `SpeculativeRows` (`rows`, `add`, `step`, `remove`), over a `StaticBatchRounds` of
-`max_batch_size` rows: a request takes a free row (`StaticBatchRounds.admit`), every round drafts for every row and
-verifies the same number v of drafts of every row in one target forward (one CUDA graph per v with `compile=True`,
-one host read per round), and a finished or cancelled request frees its row. Rows without a request keep computing
-until one takes them (their results are dropped). v is fixed, or chosen each round by a `RoundWidthChooser` from
+`max_batch_size` rows: a request takes the lowest free row (`StaticBatchRounds.admit`), every round drafts for the
+rows of the smallest power-of-two prefix that holds every request (`StaticBatchRounds.prefix`) and verifies the same
+number v of drafts of each in one target forward (one CUDA graph per prefix and v with `compile=True`, one host read
+per round), and a finished or cancelled request frees its row. Free rows inside the prefix keep computing until a
+request takes them (their results are dropped). v is fixed, or chosen each round by a `RoundWidthChooser` from
 measured round times and acceptance (v = 0: a plain round, whose target features go to the drafter's pending
 context). A round with only greedy requests runs the greedy graph; one with any sampled request runs the sampled
 graph, in which each row draws with its own temperature / top-k / top-p on Exp(1) noise (greedy rows on noise of
@@ -172,9 +173,12 @@ class StaticRows:
 
     @torch.no_grad()
     def step(self) -> list[list[int]]:
-        """One round for every row; returns the tokens each request's row committed, in `rows` order."""
-        rounds = self.rounds
-        verify = self.chooser.choose() if self.chooser is not None else self.verify
+        """One round for the rows of the smallest power-of-two prefix that holds every request (requests take the
+        lowest free rows); returns the tokens each request's row committed, in `rows` order."""
+        last = max(index for index, row in enumerate(self.owner) if row is not None)
+        count = min(self.batch_size, 1 << last.bit_length())  # the power of two above the last request's row
+        rounds = self.rounds.prefix(count)
+        verify = self.chooser.choose(count) if self.chooser is not None else self.verify
         started = time.perf_counter()
         with self._kernels(), self._part("verify_forward"):  # (the whole round: one graph)
             with rounds.tap if rounds.tap is not None else nullcontext():
@@ -183,13 +187,13 @@ class StaticRows:
                     rounds.flush()  # a plain round's features need a free entry of the pending context
                     self.pending = [0] * self.batch_size
                 if any(self.sampled):
-                    self._sampled_round(verify)
+                    self._sampled_round(rounds, verify)
                 else:
                     rounds.greedy_round(verify)()
             record = rounds.record.tolist()  # the round's one synchronisation
         seconds = time.perf_counter() - started
         committed, accepted_drafts = [], []
-        for index, row in enumerate(self.owner):
+        for index, row in enumerate(self.owner[:count]):
             if row is None:
                 continue
             accepted, *tokens = record[index]
@@ -201,20 +205,20 @@ class StaticRows:
             self.pending[index] = self.pending[index] + 1 if verify == 0 else accepted + 1
         self.drafted_last_round = verify > 0
         if self.chooser is not None:
-            self.chooser.record(verify, seconds, accepted_drafts)
+            self.chooser.record(verify, seconds, accepted_drafts, count)
         return committed
 
-    def _sampled_round(self, verify: int) -> None:
-        """A round of the sampled graph: noise for the sampled rows (ones for the others), then, after a drafting
-        round, `dspark_hf.verify` with each row's settings and `advance`."""
-        rounds, generator = self.rounds, self.sampler.generator
-        device, batch, vocab = self.temperature.device, self.batch_size, self.vocab_size
+    def _sampled_round(self, rounds: StaticBatchRounds, verify: int) -> None:
+        """A round of the sampled graph on `rounds` (a prefix of the rows): noise for the sampled rows (ones for the
+        others), then, after a drafting round, `dspark_hf.verify` with each row's settings and `advance`."""
+        generator = self.sampler.generator
+        device, batch, vocab = self.temperature.device, rounds.pad.shape[0], self.vocab_size
         shape = (batch, vocab) if verify == 0 else (batch, self.span - 1, vocab)
         noise = torch.ones(shape, device=device)
-        rows = torch.tensor([slot for slot, sampled in enumerate(self.sampled) if sampled], device=device)
+        rows = torch.tensor([slot for slot, sampled in enumerate(self.sampled[:batch]) if sampled], device=device)
         noise[rows] = exponential_noise((len(rows), *shape[1:]), generator, device)
-        filters = (self.top_k, self.top_p) if any(self.filtered) else (None, None)  # (one more graph each)
-        settings = (self.temperature, *filters)
+        filters = (self.top_k[:batch], self.top_p[:batch]) if any(self.filtered) else (None, None)  # (another graph)
+        settings = (self.temperature[:batch], *filters)
         if verify == 0:
             rounds.sampled_round(0)(noise, *settings)
             return
@@ -222,8 +226,8 @@ class StaticRows:
         seeds = torch.randint(-(2**62), 2**62, (batch,), generator=generator, device=device)
         result = verify_drafts(drafts.reshape(-1), torch.full((batch,), verify, device=device),
                                logits.reshape(-1, vocab), probs.reshape(-1, vocab),
-                               do_sample=torch.tensor(self.sampled, device=device),
-                               temperature=self.temperature, top_k=filters[0], top_p=filters[1], seeds=seeds,
+                               do_sample=torch.tensor(self.sampled[:batch], device=device),
+                               temperature=settings[0], top_k=filters[0], top_p=filters[1], seeds=seeds,
                                max_draft_len=verify)
         rounds.advance(result.num_accepted, result.output_tokens, features)
 

@@ -11,10 +11,12 @@ where t(v) is the median of v's last measured round times and S_j the probabilit
 drafts, estimated from every verified draft of recent rounds (hazards h_j = P(draft j accepted | drafts < j were),
 S_j = h_1 ... h_j; counts decay so that the estimate follows the text). A plain round commits one token per row.
 
-Every width is measured first (`warmup` discarded rounds: a compiled round's first calls compile and capture, then
-`samples`). After that, each other width is run again once `refresh_every` rounds have passed since it last ran, so
-that neither its time nor the acceptance of drafts it would verify goes stale; every refresh that does not change
-the choice doubles that width's interval (up to `max_refresh_every`), and a change of choice resets them all.
+Round times are kept per number of rows the rounds run (`rows`: the engine runs the smallest power-of-two prefix of
+its rows that holds every request), acceptance across them. At each number of rows, every width is measured first
+(`warmup` discarded rounds: a compiled round's first calls compile and capture, then `samples`). After that, each
+other width is run again once `refresh_every` rounds have passed since it last ran, so that neither its time nor the
+acceptance of drafts it would verify goes stale; every refresh that does not change the choice doubles that width's
+interval (up to `max_refresh_every`), and a change of choice resets them all.
 """
 
 from __future__ import annotations
@@ -47,12 +49,8 @@ class RoundWidthChooser:
         self.widths = tuple(sorted(set(widths)))
         self.warmup, self.samples, self.decay = warmup, samples, decay
         self.refresh_every, self.max_refresh_every = refresh_every, max_refresh_every
-        self._times = {width: deque(maxlen=window) for width in self.widths}
-        self._runs = dict.fromkeys(self.widths, 0)
-        self._last_run = dict.fromkeys(self.widths, 0)
-        self._interval = dict.fromkeys(self.widths, refresh_every)
-        self._best: int | None = None
-        self._round = 0
+        self.window = window
+        self._buckets: dict[int, _WidthTimes] = {}
         longest = max(self.widths)
         self._reached = torch.zeros(longest, dtype=torch.float64)  # drafts j verified with drafts < j accepted
         self._accepted = torch.zeros(longest, dtype=torch.float64)  # ... and accepted
@@ -67,34 +65,43 @@ class RoundWidthChooser:
         """Tokens a row is expected to commit in a round that verifies `width` drafts."""
         return 1.0 + float(self.survival()[:width].sum())
 
-    def throughput(self, width: int) -> float | None:
-        """Expected committed tokens per second and row for `width` (None: not measured yet)."""
-        if len(self._times[width]) < self.samples:
-            return None
-        return self.expected_tokens(width) / statistics.median(self._times[width])
+    def _bucket(self, rows: int) -> _WidthTimes:
+        if rows not in self._buckets:
+            self._buckets[rows] = _WidthTimes(self.widths, self.window, self.refresh_every)
+        return self._buckets[rows]
 
-    def choose(self) -> int:
-        """The number of drafts the next round verifies."""
-        self._round += 1
-        unmeasured = [width for width in self.widths if len(self._times[width]) < self.samples]
+    def throughput(self, width: int, rows: int = 0) -> float | None:
+        """Expected committed tokens per second and row for `width` in rounds of `rows` rows (None: not measured
+        yet)."""
+        times = self._bucket(rows).times[width]
+        if len(times) < self.samples:
+            return None
+        return self.expected_tokens(width) / statistics.median(times)
+
+    def choose(self, rows: int = 0) -> int:
+        """The number of drafts the next round (of `rows` rows) verifies."""
+        bucket = self._bucket(rows)
+        bucket.rounds += 1
+        unmeasured = [width for width in self.widths if len(bucket.times[width]) < self.samples]
         if unmeasured:
             return unmeasured[0]
-        best = max(self.widths, key=self.throughput)
-        if best != self._best:
-            self._best, self._interval = best, dict.fromkeys(self.widths, self.refresh_every)
+        best = max(self.widths, key=lambda width: self.throughput(width, rows))
+        if best != bucket.best:
+            bucket.best, bucket.interval = best, dict.fromkeys(self.widths, self.refresh_every)
         for width in self.widths:
-            if width != best and self._round - self._last_run[width] >= self._interval[width]:
-                self._interval[width] = min(2 * self._interval[width], self.max_refresh_every)
+            if width != best and bucket.rounds - bucket.last_run[width] >= bucket.interval[width]:
+                bucket.interval[width] = min(2 * bucket.interval[width], self.max_refresh_every)
                 return width
         return best
 
-    def record(self, width: int, seconds: float, accepted: list[int]) -> None:
-        """A finished round that verified `width` drafts: its wall-clock seconds and each running row's accepted
-        drafts."""
-        self._last_run[width] = self._round
-        self._runs[width] += 1
-        if self._runs[width] > self.warmup:
-            self._times[width].append(seconds)
+    def record(self, width: int, seconds: float, accepted: list[int], rows: int = 0) -> None:
+        """A finished round of `rows` rows that verified `width` drafts: its wall-clock seconds and each running
+        request's accepted drafts."""
+        bucket = self._bucket(rows)
+        bucket.last_run[width] = bucket.rounds
+        bucket.runs[width] += 1
+        if bucket.runs[width] > self.warmup:
+            bucket.times[width].append(seconds)
         if width == 0 or not accepted:
             return
         self._reached.mul_(self.decay)
@@ -105,9 +112,23 @@ class RoundWidthChooser:
         self._reached[:width] += reached.sum(dim=0).double()
         self._accepted[:width] += (slots[None, :] < counts[:, None]).sum(dim=0).double()
 
-    def summary(self) -> dict[int, dict[str, float | None]]:
-        """Per width: median round milliseconds, expected tokens per row, and tokens per second per row."""
-        return {width: {"round_ms": 1e3 * statistics.median(times) if times else None,
-                        "tokens_per_row": self.expected_tokens(width),
-                        "tokens_per_second_per_row": self.throughput(width)}
-                for width, times in self._times.items()}
+    def summary(self) -> dict[int, dict[int, dict[str, float | None]]]:
+        """Per number of rows, per width: median round milliseconds, expected tokens per row, and tokens per second
+        per row."""
+        return {rows: {width: {"round_ms": 1e3 * statistics.median(times) if times else None,
+                               "tokens_per_row": self.expected_tokens(width),
+                               "tokens_per_second_per_row": self.throughput(width, rows)}
+                       for width, times in bucket.times.items()}
+                for rows, bucket in sorted(self._buckets.items())}
+
+
+class _WidthTimes:
+    """One number of rows' round times per width, and the schedule of its refreshes."""
+
+    def __init__(self, widths: tuple[int, ...], window: int, refresh_every: int):
+        self.times = {width: deque(maxlen=window) for width in widths}
+        self.runs = dict.fromkeys(widths, 0)
+        self.last_run = dict.fromkeys(widths, 0)
+        self.interval = dict.fromkeys(widths, refresh_every)
+        self.best: int | None = None
+        self.rounds = 0
