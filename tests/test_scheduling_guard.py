@@ -205,6 +205,9 @@ def test_width_chooser_times_each_number_of_rows_apart():
     assert few[-50:].count(7) >= 48 and many[-50:].count(0) >= 48
     summary = chooser.summary()
     assert set(summary) == {4, 64} and summary[64][7]["round_ms"] == pytest.approx(4500)
+    # a new number of rows borrows the nearest measured one's times (8: from 4) instead of exploring every width
+    assert chooser.choose(8) == 7 and chooser.throughput(0, 8) == chooser.throughput(0, 4)
+    assert chooser.throughput(0, 32) == chooser.throughput(0, 64)  # (32 is nearer to 64)
 
 
 def test_width_chooser_refuses_bad_settings():

@@ -194,7 +194,7 @@ class StaticBatchRounds:
         if self.compile_options is None:
             return function
         # one dynamo entry per round function and shape: a few widths, kinds and row prefixes are more than its default
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
         return torch.compile(function, **self.compile_options)
 
     def prefix(self, rows: int) -> StaticBatchRounds:

@@ -1,9 +1,9 @@
 """`RoundWidthChooser`: how many drafts a round on static caches verifies, from measured round times.
 
-On static caches (`DSparkEngine(static=True)`) every round runs all `max_batch_size` rows through a graph of fixed
-shapes, so a round's cost depends only on how many drafts it verifies, v (v = 0: a plain round, no drafting), not on
-how many requests are running or what they draft. The hardware-aware choice there is between a few such graphs:
-each round, the v with the most expected committed tokens per second,
+On static caches (`DSparkEngine(static=True)`) every round runs a fixed number of rows through a graph of fixed
+shapes, so a round's cost depends only on that number and on how many drafts it verifies, v (v = 0: a plain round,
+no drafting), not on what the requests draft. The hardware-aware choice there is between a few such graphs: each
+round, the v with the most expected committed tokens per second,
 
     (1 + S_1 + ... + S_v) / t(v),
 
@@ -12,15 +12,18 @@ drafts, estimated from every verified draft of recent rounds (hazards h_j = P(dr
 S_j = h_1 ... h_j; counts decay so that the estimate follows the text). A plain round commits one token per row.
 
 Round times are kept per number of rows the rounds run (`rows`: the engine runs the smallest power-of-two prefix of
-its rows that holds every request), acceptance across them. At each number of rows, every width is measured first
-(`warmup` discarded rounds: a compiled round's first calls compile and capture, then `samples`). After that, each
-other width is run again once `refresh_every` rounds have passed since it last ran, so that neither its time nor the
-acceptance of drafts it would verify goes stale; every refresh that does not change the choice doubles that width's
-interval (up to `max_refresh_every`), and a change of choice resets them all.
+its rows that holds every request), acceptance across them. Every width is measured first (`warmup` discarded rounds:
+a compiled round's first calls compile and capture, then `samples`); a number of rows not yet measured at some width
+borrows that width's time from the nearest one that is (the larger of two equally near), so that a batch draining
+to fewer rows does not explore again. After that, each other width is run again once `refresh_every` rounds (at this
+number of rows) have passed since it last ran there, so that neither its time nor the acceptance of drafts it
+would verify goes stale; every refresh that does not change the choice doubles that width's interval (up to
+`max_refresh_every`), and a change of choice resets them all.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 
@@ -71,18 +74,19 @@ class RoundWidthChooser:
         return self._buckets[rows]
 
     def throughput(self, width: int, rows: int = 0) -> float | None:
-        """Expected committed tokens per second and row for `width` in rounds of `rows` rows (None: not measured
-        yet)."""
-        times = self._bucket(rows).times[width]
-        if len(times) < self.samples:
+        """Expected committed tokens per second and row for `width` in rounds of `rows` rows; until those are
+        measured, from the nearest number of rows where they are (None: nowhere yet)."""
+        measured = [count for count, bucket in self._buckets.items() if len(bucket.times[width]) >= self.samples]
+        if not measured:
             return None
-        return self.expected_tokens(width) / statistics.median(times)
+        nearest = min(measured, key=lambda count: (abs(math.log2(max(count, 1) / max(rows, 1))), -count))
+        return self.expected_tokens(width) / statistics.median(self._buckets[nearest].times[width])
 
     def choose(self, rows: int = 0) -> int:
         """The number of drafts the next round (of `rows` rows) verifies."""
         bucket = self._bucket(rows)
         bucket.rounds += 1
-        unmeasured = [width for width in self.widths if len(bucket.times[width]) < self.samples]
+        unmeasured = [width for width in self.widths if self.throughput(width, rows) is None]
         if unmeasured:
             return unmeasured[0]
         best = max(self.widths, key=lambda width: self.throughput(width, rows))
