@@ -1,4 +1,4 @@
-"""`StaticRows`: `DSparkEngine`'s rows on static caches (`DSparkEngine(..., static=True)`), greedy.
+"""`StaticRows`: `DSparkEngine`'s rows on static caches (`DSparkEngine(..., static=True)`).
 
 The same interface as `SpeculativeRows` (`rows`, `add`, `step`, `remove`), over a `StaticBatchRounds` of
 `max_batch_size` rows: a request takes the lowest free row (`StaticBatchRounds.admit`), every round drafts for the
@@ -36,7 +36,7 @@ class StaticRows:
     many as `chooser` picks. `sampler` (the engine's `RequestSampler`: `params(rows, device)`, `first_tokens(rows,
     logits)` and its `generator`) draws sampled requests' tokens; without one every request decodes greedily.
     `compile`, `attention`, `fuse_projections` as in `static_generate_batch` (`compile=True`: one CUDA graph per
-    number of verified drafts, greedy or sampled)."""
+    row prefix, number of verified drafts and kind, greedy or sampled)."""
 
     def __init__(self, target: PreTrainedModel, drafter: DSparkDraftModel | None, max_batch_size: int,
                  max_model_len: int, compile: bool | dict = False, attention: str = "auto",
