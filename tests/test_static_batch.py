@@ -88,6 +88,8 @@ def assert_drafter_cache_holds_context(rounds: StaticBatchRounds, row: int, ids:
     the target features of `ids` (the row's committed tokens) writes on a fresh cache: finer than comparing drafts,
     which a small error in a few columns need not change."""
     pad, written = int(rounds.pad[row]), int(rounds.context_column[row])
+    if written <= pad:  # a short prompt's context starts inside its padding: nothing is written yet
+        return
     tap = TargetLayerTap(rounds.target, rounds.drafter.config.target_layer_ids)
     with torch.no_grad(), tap:
         rounds.target(input_ids=torch.tensor([ids[: written - pad]]))
@@ -123,11 +125,13 @@ def test_each_row_drafts_from_exactly_its_committed_context(target):
                 committed[row] += tokens[: accepted + 1]
 
 
-def test_rounds_of_any_width_and_plain_rounds_keep_the_drafter_context_whole(target):
+@pytest.mark.parametrize("window", [None, 14], ids=["window_gamma_plus_1", "window_14"])
+def test_rounds_of_any_width_and_plain_rounds_keep_the_drafter_context_whole(target, window):
     """`DSparkEngine(static=True)`'s rounds: each verifies v in 0..γ drafts of every row (v = 0, a plain round, puts
-    its target features in the drafter's pending context; `flush()` writes a full one into the drafter cache). In a
-    random order of them, every drafting round proposes what the drafter proposes given each row's whole committed
-    context, and the rows commit their solo greedy tokens."""
+    its target features in the drafter's pending context, γ + 1 or 14 of them; `flush()` writes it into the drafter
+    cache when `must_flush` says so). In a random order of them, every drafting round proposes what the drafter
+    proposes given each row's whole committed context, every row's drafter cache holds exactly that context's K/V,
+    and the rows commit their solo greedy tokens."""
     import random
 
     rng = random.Random(4)
@@ -136,7 +140,7 @@ def test_rounds_of_any_width_and_plain_rounds_keep_the_drafter_context_whole(tar
     prompts = random_batches(VOCAB_SIZE, count=1, size=4, seed=9)[0]
     ids, mask = left_padded(prompts)
     for model in (random_drafter, oracle):
-        rounds = StaticBatchRounds(target, model, len(prompts), capacity=ids.shape[1] + 96)
+        rounds = StaticBatchRounds(target, model, len(prompts), capacity=ids.shape[1] + 96, context_window=window)
         rounds.prefill(ids, mask)
         span = rounds.width
         committed = [[token] for token in rounds.record[:, 1].tolist()]
@@ -146,7 +150,7 @@ def test_rounds_of_any_width_and_plain_rounds_keep_the_drafter_context_whole(tar
             verify = rng.choice([0, 0, 0, 1, 3, span - 1])
             contexts = [prompt + row[:-1] for prompt, row in zip(prompts, committed)]
             with torch.no_grad(), rounds.tap:
-                if verify == 0 and max(pending) >= span:
+                if rounds.must_flush(verify, max(pending)):
                     rounds.flush()
                     pending, flushes = [0] * len(prompts), flushes + 1
                 rounds.greedy_round(verify)()

@@ -25,9 +25,9 @@ kernel, which takes each row's additive mask, with fused projections (`static_lo
 models' own implementation with a 4D mask (SDPA by default).
 
 For `DSparkEngine(static=True)`, rounds can also verify fewer drafts (`greedy_round(v)` / `sampled_round(v)`, one
-graph per v) or none: a plain round then appends its target features to the drafter's pending context (up to γ + 1
-columns, which `flush()` writes into the drafter cache), so that the next speculative round drafts from the whole
-context.
+graph per v) or none: a plain round then appends its target features to the drafter's pending context (up to
+`context_window` columns, which `flush()` writes into the drafter cache; a drafting round reads the first γ + 1), so
+that the next speculative round drafts from the whole context.
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ class StaticBatchRounds:
         return id(target), batch_size, repr(compile), do_sample
 
     def __init__(self, target: PreTrainedModel, drafter: DSparkDraftModel | None, batch_size: int, capacity: int,
-                 compile: bool | dict = False, do_sample: bool = False):
+                 compile: bool | dict = False, do_sample: bool = False, context_window: int | None = None):
         check_batchable_target(target)
         self.target, self.drafter, self.capacity = target, drafter, capacity
         self.key = self.key_of(target, batch_size, compile, do_sample)
@@ -166,6 +166,9 @@ class StaticBatchRounds:
             self.tap = TargetLayerTap(target, drafter.config.target_layer_ids)
             self.drafter_cache = RowStaticCache(drafter.config.num_hidden_layers, capacity, batch_size, device)
             self.width = drafter.config.num_draft_slots + 1
+        # target features a row may hold pending for the drafter (`features`): a drafting round reads the first γ + 1,
+        # plain rounds append up to `window`, which `flush()` writes into the drafter cache
+        self.window = self.width if context_window is None else max(context_window, self.width)
         long = dict(dtype=torch.long, device=device)
         self.pad = torch.zeros(batch_size, **long)  # left padding: row b's column c is its position c - pad_b
         self.anchor = torch.zeros(batch_size, **long)  # the last committed token, not yet in the target cache
@@ -243,6 +246,11 @@ class StaticBatchRounds:
             self._rounds_by_kind[kind, verify] = self._compiled(round_)
         return self._rounds_by_kind[kind, verify]
 
+    def must_flush(self, verify: int, pending: int) -> bool:
+        """Whether a round that verifies `verify` drafts must `flush()` first, when the fullest running row holds
+        `pending` features pending: a plain round needs a free entry, a drafting round reads only the first γ + 1."""
+        return self.drafter is not None and (pending >= self.window if verify == 0 else pending > self.width)
+
     def flush(self) -> None:
         """Writes every row's pending drafter context (the target features from `context_column` up to its anchor's
         column) into the drafter cache and empties it (compiled like `compiled`)."""
@@ -287,10 +295,11 @@ class StaticBatchRounds:
         self.drafter(input_ids=block, target_hidden_states=features[:, :context], past_key_values=self.drafter_cache,
                      context_position_ids=columns.clamp(min=0), position_ids=(context - self.pad)[:, None],
                      attention_mask=mask)
-        if self.features is None or self.features.shape != features[:, context:].shape:  # kept across calls
-            self.features = torch.empty_like(features[:, context:], memory_format=torch.contiguous_format)
+        shape = (features.shape[0], self.window, features.shape[-1])
+        if self.features is None or self.features.shape != shape:  # kept across calls
+            self.features = features.new_zeros(shape)
             torch._dynamo.mark_static_address(self.features)  # updated in place: CUDA graphs keep its address
-        self.features.copy_(features[:, context:])
+        self.features[:, :width].copy_(features[:, context:])
         self.context_column.fill_(context)
 
     def admit(self, slots: list[int], input_ids: torch.LongTensor, attention_mask: torch.Tensor,
@@ -327,7 +336,7 @@ class StaticBatchRounds:
         self.drafter(input_ids=block, target_hidden_states=features[:, :context], past_key_values=drafter_cache,
                      context_position_ids=positions[:, :context], position_ids=(context - pad)[:, None])
         _write_rows(self.drafter_cache, drafter_cache, index)
-        self.features[index] = features[:, context:].to(self.features.dtype)
+        self.features[index, : self.width] = features[:, context:].to(self.features.dtype)
         self.context_column[index] = context
 
     # ------------------------------------------------------------------ rounds
@@ -356,10 +365,10 @@ class StaticBatchRounds:
 
     def _plain_step_with_context(self, choose: Callable[[torch.Tensor], torch.LongTensor]) -> None:
         """A plain round that also appends each row's anchor features to its pending drafter context, at entry
-        column - context_column of `features` (< γ + 1 for every running row: `flush()` before when full)."""
+        column - context_column of `features` (< `window` for every running row: `must_flush`)."""
         column = self.column.clone()  # before the round moves it
         features = self._plain_step(choose)
-        entry = (column - self.context_column).clamp(max=self.width - 1)  # rows that have stopped may be full
+        entry = (column - self.context_column).clamp(max=self.window - 1)  # rows that have stopped may be full
         self.features.scatter_(1, entry[:, None, None].expand(-1, 1, features.shape[-1]),
                                features.to(self.features.dtype))
 
@@ -368,7 +377,7 @@ class StaticBatchRounds:
         self.drafter_cache.move_to(self.context_column)
         block = torch.full((self.pad.shape[0], 1), drafter.config.mask_token_id, dtype=torch.long, device=device)
         mask = visible_columns(self.pad, self.column, 1, self.capacity + 1, False, drafter.compute_dtype)
-        context_positions = (self.context_column - self.pad)[:, None] + torch.arange(self.width, device=device)
+        context_positions = (self.context_column - self.pad)[:, None] + torch.arange(self.window, device=device)
         drafter(input_ids=block, target_hidden_states=self.features, past_key_values=self.drafter_cache,
                 context_position_ids=context_positions.clamp(min=0), position_ids=(self.column - self.pad)[:, None],
                 attention_mask=mask)  # the block token's output is not used: only the context K/V written
@@ -387,7 +396,7 @@ class StaticBatchRounds:
         mask = torch.cat([mask, mask.new_zeros(mask.shape[0], 1, block, block)], dim=-1)
         context_positions = (self.context_column - self.pad)[:, None] + torch.arange(self.width, device=device)
         hidden, base_logits = drafter.draft_backbone(
-            self.anchor, self.features, self.drafter_cache,
+            self.anchor, self.features[:, : self.width], self.drafter_cache,
             position_ids=(self.column - self.pad)[:, None] + torch.arange(block, device=device),
             context_position_ids=context_positions.clamp(min=0), attention_mask=mask)
         proposal = drafter.draft_tokens(self.anchor, hidden, base_logits, select)

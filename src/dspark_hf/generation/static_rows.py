@@ -30,6 +30,9 @@ from .static_batch import StaticBatchRounds
 from .static_loop import exponential_noise, fast_kernels, kernel_choice, kernels_active
 
 
+PENDING_ROUNDS = 4  # the drafter's pending context holds 4 (γ + 1) features: plain rounds flush it 4x less often
+
+
 class StaticRows:
     """Rows of `DSparkEngine` on a `StaticBatchRounds` of `max_batch_size` rows and `max_model_len` positions.
     `drafter=None`: plain decoding rounds. Each round verifies `verify` drafts of every row (default: all γ), or as
@@ -45,8 +48,12 @@ class StaticRows:
         span = 1 if drafter is None else drafter.config.num_draft_slots + 1  # the most tokens a round runs per row
         self.span, self.batch_size = span, max_batch_size
         self.set_policy(verify, chooser)
-        capacity = max_model_len + 2 * span  # a short prompt's left padding, a round's overshoot past max_tokens
-        build = lambda: StaticBatchRounds(target, drafter, max_batch_size, capacity, compile)  # noqa: E731
+        window = PENDING_ROUNDS * span if drafter is not None else 0
+        # a short prompt's left padding, a round's overshoot past max_tokens, and a flush's reach past the anchor
+        self.reach = span + window
+        capacity = max_model_len + span + self.reach
+        build = lambda: StaticBatchRounds(target, drafter, max_batch_size, capacity, compile,  # noqa: E731
+                                          context_window=window or None)
         with fast_kernels(target, drafter, attention, fuse_projections, build) as rounds:
             self.rounds = rounds
         kernel, fuse = kernel_choice(target, attention, fuse_projections)
@@ -97,12 +104,12 @@ class StaticRows:
 
     def _groups(self, rows: list[Row]) -> list[list[Row]]:
         """`rows` in groups that one left-padded prefill can take: padded to its longest prompt (at least γ + 2, a
-        drafter's first context), every row of a group must still fit its budget and a round's overshoot."""
+        drafter's first context), every row of a group must still fit its budget and what rounds write past it."""
         groups: list[list[Row]] = []
         for row in sorted(rows, key=lambda row: -len(row.ids)):
             if groups:
                 width = max(len(groups[-1][0].ids), self.span + 1)
-                if width + row.max_new + self.span <= self.rounds.capacity:
+                if width + row.max_new + self.reach <= self.rounds.capacity:
                     groups[-1].append(row)
                     continue
             groups.append([row])
@@ -182,9 +189,9 @@ class StaticRows:
         started = time.perf_counter()
         with self._kernels(), self._part("verify_forward"):  # (the whole round: one graph)
             with rounds.tap if rounds.tap is not None else nullcontext():
-                if verify == 0 and self.span > 1 and max(self.pending[i] for i, row in enumerate(self.owner)
-                                                         if row is not None) >= self.span:
-                    rounds.flush()  # a plain round's features need a free entry of the pending context
+                fullest = max(self.pending[index] for index, row in enumerate(self.owner) if row is not None)
+                if rounds.must_flush(verify, fullest):
+                    rounds.flush()  # the pending context into the drafter cache
                     self.pending = [0] * self.batch_size
                 if any(self.sampled):
                     self._sampled_round(rounds, verify)
