@@ -287,14 +287,7 @@ class StaticBatchRounds:
         # the drafter's context K/V for all prompt columns but the last γ + 1, which a round's features cover
         width = self.width
         context = input_ids.shape[1] - width
-        self.drafter_cache.move_to(start)
-        block = torch.full((self.pad.shape[0], 1), self.drafter.config.mask_token_id, dtype=torch.long, device=device)
-        mask = visible_columns(self.pad, torch.full_like(self.pad, context), 1, self.capacity + 1, False,
-                               self.drafter.compute_dtype)
-        columns = torch.arange(context, device=device)[None] - self.pad[:, None]
-        self.drafter(input_ids=block, target_hidden_states=features[:, :context], past_key_values=self.drafter_cache,
-                     context_position_ids=columns.clamp(min=0), position_ids=(context - self.pad)[:, None],
-                     attention_mask=mask)
+        self._write_drafter_context(features[:, :context], start, torch.full_like(self.pad, context))
         shape = (features.shape[0], self.window, features.shape[-1])
         if self.features is None or self.features.shape != shape:  # kept across calls
             self.features = features.new_zeros(shape)
@@ -373,15 +366,22 @@ class StaticBatchRounds:
                                features.to(self.features.dtype))
 
     def _flush_context(self) -> None:
-        drafter, device = self.drafter, self.anchor.device
-        self.drafter_cache.move_to(self.context_column)
-        block = torch.full((self.pad.shape[0], 1), drafter.config.mask_token_id, dtype=torch.long, device=device)
-        mask = visible_columns(self.pad, self.column, 1, self.capacity + 1, False, drafter.compute_dtype)
-        context_positions = (self.context_column - self.pad)[:, None] + torch.arange(self.window, device=device)
-        drafter(input_ids=block, target_hidden_states=self.features, past_key_values=self.drafter_cache,
-                context_position_ids=context_positions.clamp(min=0), position_ids=(self.column - self.pad)[:, None],
-                attention_mask=mask)  # the block token's output is not used: only the context K/V written
+        self._write_drafter_context(self.features, self.context_column, self.column)
         self.context_column.copy_(self.column)
+
+    def _write_drafter_context(self, features: torch.Tensor, first_column: torch.Tensor,
+                               end_column: torch.Tensor) -> None:
+        """Writes the drafter's context K/V of `features` [B, n, K·H] into its cache at each row's columns
+        `first_column` .. + n - 1, in one drafter forward whose single block token (at `end_column`, seeing the
+        columns before it) is not used."""
+        drafter, device = self.drafter, self.anchor.device
+        self.drafter_cache.move_to(first_column)
+        block = torch.full((self.pad.shape[0], 1), drafter.config.mask_token_id, dtype=torch.long, device=device)
+        mask = visible_columns(self.pad, end_column, 1, self.capacity + 1, False, drafter.compute_dtype)
+        positions = (first_column - self.pad)[:, None] + torch.arange(features.shape[1], device=device)
+        drafter(input_ids=block, target_hidden_states=features, past_key_values=self.drafter_cache,
+                context_position_ids=positions.clamp(min=0), position_ids=(end_column - self.pad)[:, None],
+                attention_mask=mask)
 
     def _draft_and_score(self, select, verify: int | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
