@@ -50,8 +50,13 @@ the same from `steady_tokens_per_second`.
 hardware-aware choice among plain rounds and 1, 3 or 7 verified drafts; no static threshold, no trace replay: its
 rounds are graphs). Its rounds compile once per shape, so each concurrency keeps two engines for all its runs, warm-up
 included: a plain one (no drafter) and a speculative one whose policy is switched between runs
-(`StaticRows.set_policy`), whose hardware-aware chooser lives across that concurrency's runs. The cells run one after
-another (`--sequential` is implied): the speculative policies share one engine.
+(`StaticRows.set_policy`), whose hardware-aware chooser lives across that concurrency's runs. Both compile every round
+graph they can run (`DSparkEngine.warm_up`: every row prefix and width, and the flush) before the warm-up run, so that
+no compilation falls into a timed run; each cell records that time (`warm_up_seconds`, of its engine). The cells run
+one after another (`--sequential` is implied): the speculative policies share one engine. (torch.compile's
+`backend="cudagraphs"`, which would capture the eager kernels and compile faster, fails on the H200 with torch 2.11 at
+the Triton attention kernel's call: `BackendCompilerFailed ... cannot extract sympy expressions from {'part_ptr': ...}`;
+the rounds compile with inductor.)
 """
 
 from __future__ import annotations
@@ -447,13 +452,20 @@ def run_static_cells(target, drafter, prompts, concurrency: int, names: list[str
     """`--static`: each of `names`' warm-up run, then `--repeats` runs of each, one after another, on two engines kept
     for this concurrency (see the module docstring)."""
     longest = max(map(len, prompts)) + max(request_lengths(concurrency * args.requests_per_slot, args))
-    compile_rounds = dict(backend="cudagraphs", dynamic=False) if args.static_compile == "cudagraphs" else None
+    # --dynamic-batch: dynamo's automatic dynamic shapes: a width's first two row prefixes compile (the second with a
+    # symbolic batch size, which the larger ones reuse), and CUDA graphs are still recorded per prefix
+    compile_rounds = dict(mode="reduce-overhead", dynamic=None) if args.dynamic_batch else None
     engines = {kind: DSparkEngine(target, drafter if kind == "speculative" else None, static=True,
                                   policy="hardware_aware" if kind == "speculative" else "none",
                                   max_batch_size=concurrency, max_model_len=longest + 8, static_compile=compile_rounds,
                                   admission_batch=min(args.admission_batch, concurrency))
                for kind in ("plain", "speculative")}
     chooser = engines["speculative"].runner.chooser
+    warm_up_seconds = {}
+    for kind, engine in engines.items():  # every graph of every policy's widths, before any run
+        started = time.perf_counter()
+        engine.warm_up(None if kind == "plain" else sorted({0, 1, 3, drafter.config.num_draft_slots}))
+        warm_up_seconds[kind] = time.perf_counter() - started
 
     def engine_for(name: str) -> DSparkEngine:
         if name == "no_spec":
@@ -475,6 +487,7 @@ def run_static_cells(target, drafter, prompts, concurrency: int, names: list[str
             if repeat < 0:
                 continue
             cell = cell_result(engine, handles, seconds, concurrency)
+            cell["warm_up_seconds"] = warm_up_seconds["plain" if name == "no_spec" else "speculative"]
             tokens = [handle.tokens for handle in handles]
             if name == "no_spec":
                 plain_tokens = tokens
@@ -485,6 +498,11 @@ def run_static_cells(target, drafter, prompts, concurrency: int, names: list[str
                                    for rows, widths in chooser.summary().items()}
             runs[name].append(cell)
     return runs
+
+
+def static_engine_label(args: argparse.Namespace) -> str:
+    shapes = "symbolic batch" if args.dynamic_batch else "one compilation per row prefix"
+    return f"static (DSparkEngine(static=True), inductor, {shapes}, admission_batch {args.admission_batch})"
 
 
 # ---------------------------------------------------------------------------------------------------- report
@@ -576,10 +594,9 @@ def main() -> None:
     parser.add_argument("--static", action="store_true",
                         help="DSparkEngine(static=True): one CUDA graph per round (code50m or smoke; see the "
                              "docstring)")
-    parser.add_argument("--static-compile", choices=["inductor", "cudagraphs"], default="inductor",
-                        help="--static's rounds: torch.compile(mode='reduce-overhead') (inductor's kernels in CUDA "
-                             "graphs; the default) or backend='cudagraphs' (the eager kernels captured: compiles in "
-                             "seconds)")
+    parser.add_argument("--dynamic-batch", action="store_true",
+                        help="--static: compile the rounds with a symbolic batch size (two compilations per width "
+                             "instead of one per row prefix and width; CUDA graphs still per prefix)")
     parser.add_argument("--admission-batch", type=int, default=1,
                         help="--static: DSparkEngine's admission_batch (waiting requests join once this many rows are "
                              "free; capped at the concurrency)")
@@ -625,8 +642,7 @@ def main() -> None:
                           temperature=0.0, ignore_eos=True, threshold=args.threshold, concurrency=args.concurrency,
                           requests_per_slot=args.requests_per_slot, repeats=args.repeats,
                           protocol="sequential" if args.sequential or args.static else "interleaved",
-                          engine=f"static (DSparkEngine(static=True), {args.static_compile}, admission_batch "
-                                 f"{args.admission_batch})" if args.static else "eager",
+                          engine=static_engine_label(args) if args.static else "eager",
                           length_spread=args.length_spread,
                           prompts="random ids" if args.model == "smoke" else "HumanEval (code50m tokenizer)",
                           acceptance="replayed from serving_trace_code50m.json (timing only)" if trace is not None

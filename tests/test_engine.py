@@ -459,10 +459,12 @@ def test_static_engine_drafts_from_each_requests_whole_context_across_plain_roun
     assert len(checked) > 10 and len(plain) > 5 and flushes
 
 
-def test_static_engine_compiles_one_graph_per_width():
-    """fullgraph=True: each number of verified drafts (plain rounds included), greedy and sampled, and the flush trace
-    as one graph each, once, while requests come and go; the greedy outputs are still the solo greedy ones. (One
-    target family: tracing takes half a minute.)"""
+def test_static_engine_compiles_every_graph_at_warm_up_and_none_while_serving():
+    """fullgraph=True: `warm_up(widths, sampled=True)` compiles each graph that rounds of those widths can run once:
+    per row prefix (all rows, the first alone), plain rounds and γ drafts, greedy and sampled with and without
+    top-k / top-p, and the flush; serving greedy and sampled requests of both widths afterwards compiles nothing more,
+    and the greedy outputs are still the solo greedy ones. (Two widths, one target family: tracing takes about half
+    a minute.)"""
     from test_static_loop import counting_backend
 
     target = make_bigram_like(tiny_target("qwen3", vocab_size=VOCAB_SIZE, eos_token_id=EOS))
@@ -472,21 +474,25 @@ def test_static_engine_compiles_one_graph_per_width():
     engine = DSparkEngine(target, drafter, max_batch_size=2, max_model_len=64, static=True, policy="hardware_aware",
                           static_compile=dict(backend=backend, fullgraph=True, dynamic=False),
                           default_sampling={"temperature": 0})
-    engine.runner.chooser = RandomWidths(engine.runner.chooser.widths, seed=2, plain_share=0.5)
+    widths = (0, drafter.config.num_draft_slots)
+    graphs = engine.warm_up(widths, sampled=True, progress=False)
+    assert graphs == 2 * len(widths) * 3 + 2 == len(compilations)  # (prefixes 1 and 2; three kinds; flushes)
+    engine.runner.chooser = RandomWidths(widths, seed=2, plain_share=0.5)
     rng = random.Random(3)
     serve_exactly(engine, target, rng, 5, 10, (10, 30))
     greedy_rounds = len(engine.round_log)
     sampled = [engine.add_request([rng.randrange(4, VOCAB_SIZE) for _ in range(4)], max_tokens=30, temperature=0.9,
-                                  top_p=0.9, ignore_eos=True) for _ in range(3)]
+                                  top_p=0.9 if index else 1.0, ignore_eos=True) for index in range(3)]
     engine.run()
     assert all(len(handle.tokens) == 30 for handle in sampled)
-    widths = [{entry["verify"][0] for entry in log} for log in (engine.round_log[:greedy_rounds],
-                                                                 engine.round_log[greedy_rounds:])]
-    assert widths[0] == set(engine.runner.chooser.widths) and len(widths[1]) > 1
-    rounds = [engine.runner.rounds, *engine.runner.rounds._prefixes.values()]  # all rows, and the first one alone
-    assert len(rounds) == 2 and all(r._rounds_by_kind for r in rounds)
-    # each (rows, greedy or sampled, width) and each flush compiled once
-    assert len(compilations) == sum(len(r._rounds_by_kind) for r in rounds)
+    ran = [{entry["verify"][0] for entry in log} for log in (engine.round_log[:greedy_rounds],
+                                                              engine.round_log[greedy_rounds:])]
+    assert ran[0] == set(widths) and len(ran[1]) > 1
+    assert len(compilations) == graphs  # nothing compiled while serving
+    engine.add_request([5, 6], max_tokens=4)
+    engine.step()
+    with pytest.raises(RuntimeError, match="before the first request"):
+        engine.warm_up()
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])

@@ -92,8 +92,7 @@ def test_static_cells_run_every_policy_on_two_kept_engines(models):
     """`--static`: each policy's runs (warm-up first) on the concurrency's two engines; fixed γ verifies γ drafts per
     round, no speculation none, the hardware-aware chooser any of its widths, and every request gets its length."""
     target, drafter, prompts = models
-    args = argparse.Namespace(**vars(ARGS), repeats=2, static_compile="inductor",  # (compiles nothing on the CPU)
-                              admission_batch=1)
+    args = argparse.Namespace(**vars(ARGS), repeats=2, dynamic_batch=False, admission_batch=1)  # (CPU: no compile)
     names = ["no_spec", "fixed_1", "fixed_3", "fixed_7", "hardware_aware"]
     runs = serving.run_static_cells(target, drafter, prompts, 2, names, args)
     lengths = serving.request_lengths(4, ARGS)
@@ -101,6 +100,7 @@ def test_static_cells_run_every_policy_on_two_kept_engines(models):
         assert len(runs[name]) == 2
         for cell in runs[name]:
             assert cell["generated_tokens"] == sum(lengths) and cell["tokens_per_second"] > 0
+            assert cell["warm_up_seconds"] > 0  # every graph ran before the runs
             widths = {int(k) for k in cell["verify_length_histogram"]}
             expected = {"no_spec": {0}, "hardware_aware": {0, 1, 3, 7}}.get(name) or {int(name.split("_")[1])}
             assert widths <= expected and widths

@@ -15,9 +15,11 @@ ones: their argmax), and `dspark_hf.verify` accepts per row (greedy rows greedil
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from contextlib import nullcontext
 
 import torch
+from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from ..models import DSparkDraftModel
@@ -145,6 +147,47 @@ class StaticRows:
             row.ids.append(first[id(row)])
         return [[first[id(row)]] for row in rows]
 
+    @torch.no_grad()
+    def warm_up(self, widths: Iterable[int] | None = None, sampled: bool = False, progress: bool = False) -> int:
+        """Runs, before the first request, every graph that rounds verifying `widths` drafts (default: the policy's)
+        can run: per row prefix, each width's greedy round, with `sampled` its two sampled rounds (with and without
+        top-k / top-p), and the flush when plain rounds are among `widths`. With `compile`, nothing compiles while
+        requests are served afterwards. The rounds run on free rows, whose results are dropped. Returns the number
+        of graphs run."""
+        if self.rows:
+            raise RuntimeError("warm_up() runs before the first request.")
+        if sampled and self.sampler is None:
+            raise ValueError("warm_up(sampled=True) needs a sampler.")
+        widths = sorted(set(widths if widths is not None else
+                            self.chooser.widths if self.chooser is not None else [self.verify]))
+        if not all(0 <= width < self.span for width in widths):
+            raise ValueError(f"widths must be in 0..{self.span - 1}, got {widths}.")
+        if not self.started:  # the first prefill sets up every row (on a dummy prompt); all rows stay free
+            with self._kernels():
+                prompt = torch.zeros(self.batch_size, self.span + 1, dtype=torch.long)
+                self.rounds.prefill(prompt, torch.ones_like(prompt))
+            self.rounds.active.zero_()
+            self.started = True
+        sizes = sorted({min(self.batch_size, 1 << last.bit_length()) for last in range(self.batch_size)})
+        kinds = ["greedy", *(["sampled", "filtered"] if sampled else [])]
+        graphs = [(size, kind, width) for size in sizes for width in widths for kind in kinds]
+        flushes = sizes if 0 in widths and self.rounds.drafter is not None else []
+        with self._kernels(), tqdm(total=len(graphs) + len(flushes), desc="round graphs", disable=not progress) as bar:
+            for size, kind, width in graphs:
+                rounds = self.rounds.prefix(size)
+                with self._tap(rounds):
+                    if kind == "greedy":
+                        rounds.greedy_round(width)()
+                    else:
+                        self._sampled_round(rounds, width, filtered=kind == "filtered")
+                bar.update()
+            for size in flushes:
+                with self._tap(self.rounds.prefix(size)):
+                    self.rounds.prefix(size).flush()
+                bar.update()
+        self.pending = [0] * self.batch_size
+        return len(graphs) + len(flushes)
+
     def _first_tokens(self, rows: list[Row]):
         if self.sampler is None:
             return argmax_last
@@ -188,13 +231,13 @@ class StaticRows:
         verify = self.chooser.choose(count) if self.chooser is not None else self.verify
         started = time.perf_counter()
         with self._kernels(), self._part("verify_forward"):  # (the whole round: one graph)
-            with rounds.tap if rounds.tap is not None else nullcontext():
+            with self._tap(rounds):
                 fullest = max(self.pending[index] for index, row in enumerate(self.owner) if row is not None)
                 if rounds.must_flush(verify, fullest):
                     rounds.flush()  # the pending context into the drafter cache
                     self.pending = [0] * self.batch_size
                 if any(self.sampled):
-                    self._sampled_round(rounds, verify)
+                    self._sampled_round(rounds, verify, filtered=any(self.filtered))
                 else:
                     rounds.greedy_round(verify)()
             record = rounds.record.tolist()  # the round's one synchronisation
@@ -215,16 +258,18 @@ class StaticRows:
             self.chooser.record(verify, seconds, accepted_drafts, count)
         return committed
 
-    def _sampled_round(self, rounds: StaticBatchRounds, verify: int) -> None:
+    def _sampled_round(self, rounds: StaticBatchRounds, verify: int, filtered: bool) -> None:
         """A round of the sampled graph on `rounds` (a prefix of the rows): noise for the sampled rows (ones for the
-        others), then, after a drafting round, `dspark_hf.verify` with each row's settings and `advance`."""
+        others), then, after a drafting round, `dspark_hf.verify` with each row's settings and `advance`. `filtered`:
+        apply the rows' top-k / top-p (another graph)."""
         generator = self.sampler.generator
         device, batch, vocab = self.temperature.device, rounds.pad.shape[0], self.vocab_size
         shape = (batch, vocab) if verify == 0 else (batch, self.span - 1, vocab)
         noise = torch.ones(shape, device=device)
-        rows = torch.tensor([slot for slot, sampled in enumerate(self.sampled[:batch]) if sampled], device=device)
+        rows = torch.tensor([slot for slot, sampled in enumerate(self.sampled[:batch]) if sampled], dtype=torch.long,
+                            device=device)
         noise[rows] = exponential_noise((len(rows), *shape[1:]), generator, device)
-        filters = (self.top_k[:batch], self.top_p[:batch]) if any(self.filtered) else (None, None)  # (another graph)
+        filters = (self.top_k[:batch], self.top_p[:batch]) if filtered else (None, None)
         settings = (self.temperature[:batch], *filters)
         if verify == 0:
             rounds.sampled_round(0)(noise, *settings)
@@ -237,6 +282,11 @@ class StaticRows:
                                temperature=settings[0], top_k=filters[0], top_p=filters[1], seeds=seeds,
                                max_draft_len=verify)
         rounds.advance(result.num_accepted, result.output_tokens, features)
+
+    @staticmethod
+    def _tap(rounds: StaticBatchRounds):
+        """The context in which `rounds`' target forwards record the drafter's features (none without a drafter)."""
+        return rounds.tap if rounds.tap is not None else nullcontext()
 
     def _part(self, name: str):
         return self.profiler.part(name) if self.profiler is not None else nullcontext()

@@ -20,6 +20,7 @@ import itertools
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -361,6 +362,18 @@ class DSparkEngine:
         if self.runner.profiler is None:
             raise ValueError("round_profile() needs DSparkEngine(..., profile_rounds=True).")
         return self.runner.profiler.report()
+
+    def warm_up(self, widths: Iterable[int] | None = None, sampled: bool = False, progress: bool = True) -> int:
+        """Static engine: before the first request, runs each round graph that rounds verifying `widths` drafts
+        (default: the policy's) can need, per row prefix, greedy (and with `sampled`, sampled), and the flush
+        (`StaticRows.warm_up`), so that with `static_compile` no compilation stalls serving later. Returns the number
+        of graphs run; the eager engine has none (0)."""
+        if not isinstance(self.runner, StaticRows):
+            return 0
+        if self.has_unfinished() or self.running_in_background:
+            raise RuntimeError("warm_up() runs before the first request and before start().")
+        with self._lock:
+            return self.runner.warm_up(widths, sampled, progress)
 
     def run(self) -> dict[str, RequestOutput]:
         """Steps until every request has finished; returns every request's output by id."""
