@@ -16,14 +16,16 @@
 # Next: the 4B shape interleaved with --repeats 2, split over two calls by --concurrency (1 2 4 8 16 32 | 64 128 256;
 #     cells merge by concurrency when the first call's JSON is carried back in as --out). Six 4B engines at c = 256
 #     hold about 85 GB of KV cache at once.
-# Next, the static engine (DSparkEngine(static=True); not yet run). Each concurrency compiles 6 round graphs; with
-#     --static-compile cudagraphs (eager kernels captured, seconds to compile) all concurrencies should fit one call:
-#     --model code50m --static --static-compile cudagraphs --max-new-tokens 64 --repeats 3 --requests-per-slot 2
-#     then inductor's (the default; its compilations take far longer, not yet timed per graph: split the run over
-#     calls by --concurrency, carrying the first call's JSON back in as --out) where the first run shows that the
-#     round time matters:
-#     --model code50m --static --max-new-tokens 64 --repeats 3 --requests-per-slot 2 --concurrency 1 16 256
+# The static engine (DSparkEngine(static=True)), first run 2026-12-02 (serving_static_h200.json; 530 s, c = 256 not
+#     reached: compilation took most of the call; SERVING_TIMEOUT keeps what finished):
+#     SERVING_TIMEOUT=530 ... --model code50m --static --max-new-tokens 64 --repeats 2 --requests-per-slot 2 --no-paged
+#     --concurrency 1 16 256 --out $OUT/serving_static_h200.json
+# Next: the same with --dynamic-batch (two compilations per width instead of one per row prefix and width), one call
+#     per few concurrencies, carrying the JSON back in as --out; every graph now compiles in DSparkEngine.warm_up()
+#     before the runs (warm_up_seconds in each cell). First check why tau at c = 1 is 2.27 on the GPU against 4.67
+#     on the CPU (docs/serving.md).
 set -uo pipefail
+# SERVING_TIMEOUT=S stops the benchmark after S seconds (results are saved after every concurrency); 0: no limit.
 export PYTHONPATH=${DSPARK_SRC:-src}
 if [ ! -d ../shared/fixtures/code-llama-50m ]; then
     mkdir -p ../shared/fixtures ../shared/data/humaneval
@@ -36,7 +38,7 @@ if [ ! -f drafters/code50m-dspark/model.safetensors ]; then  # carried compresse
     xz -dc carry_sched/code50m-dspark/model.safetensors.xz > drafters/code50m-dspark/model.safetensors
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv
-python benchmarks/serving.py "$@" 2>&1 | grep -v Warning | tee "$OUT"/serving.log  # kept as benchmarks/results/serving_<model>_h200.log
+timeout "${SERVING_TIMEOUT:-0}" python benchmarks/serving.py "$@" 2>&1 | grep -v Warning | tee "$OUT"/serving.log  # kept as benchmarks/results/serving_<model>_h200.log
 cp benchmarks/results/serving_h200.json benchmarks/results/serving_h200.png "$OUT"/ 2>/dev/null || true
 cp benchmarks/results/serving_static_h200.json benchmarks/results/serving_static_h200.png "$OUT"/ 2>/dev/null || true
 cp benchmarks/results/serving_trace_code50m.json "$OUT"/ 2>/dev/null || true
