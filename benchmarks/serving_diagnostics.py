@@ -3,7 +3,7 @@
     PYTHONPATH=src python benchmarks/serving_diagnostics.py host-phases OUT.json
     PYTHONPATH=src python benchmarks/serving_diagnostics.py plain-rounds [--concurrency 256] > OUT.txt
     PYTHONPATH=src python benchmarks/serving_diagnostics.py round-logs OUT.json [--concurrency 32 256]
-    PYTHONPATH=src python benchmarks/serving_diagnostics.py static-acceptance OUT.json [--concurrency 1]
+    PYTHONPATH=src python benchmarks/serving_diagnostics.py static-acceptance OUT.json [--concurrency 1] [--settings ...]
     python benchmarks/serving_diagnostics.py round-log-report OUT.json[.gz]   # reads the file only; no GPU
 
 host-phases: does the host change speed over time? Ten rows per setting, each timing a pure Python loop
@@ -17,11 +17,13 @@ between the two engines, then one more of each runs under cProfile
 round-logs: where do the hardware-aware engine's seconds go? The benchmark's interleaved cells (64 new tokens ± 50 %,
 2 requests per slot, after its warm-up) of no speculation, fixed γ = 7, the hardware-aware policy and `ha_plain`,
 twice per concurrency; every engine's round log and every speculative round the guard was told about are written out.
-static-acceptance: why does the static engine accept fewer drafts on the GPU at c = 1 (tau 2.27 against the eager
-engine's 3.92 and its own 4.67 on the CPU in float32, serving_static_h200.json)? The benchmark's cell of 2c requests
-with fixed γ = 7 on the eager engine (bf16, float32) and on the static engine in bf16 and float32, with rounds compiled (after
-`warm_up`) and not; per setting tau and, for the static engine, the share of drafting rounds' drafts equal to a
-float32 eager drafter's proposal from the request's whole committed context (`tests/test_static_batch.py`'s check).
+static-acceptance: why did the static engine accept fewer drafts on the GPU at c = 1 (tau 2.27 against the eager
+engine's 3.92 and its own 4.67 on the CPU in float32)? The benchmark's cell of 2c requests with fixed γ = 7 on the
+eager engine (bf16, float32) and on the static engine in bf16 and float32, with rounds compiled (after `warm_up`) and
+not; per setting tau and, for the static engine, the share of drafting rounds' drafts equal to a float32 eager
+drafter's proposal from the request's whole committed context (`tests/test_static_batch.py`'s check). `--settings`
+also offers compiled bf16 without CUDA graphs and with the attention kernel on one cache slice. Answer (2026-12-02,
+results/serving_diagnostics/README.md): inductor's tracing of the split-KV kernel launches; fixed since.
 round-log-report: per run of a round-logs file, tokens/s relative to no speculation, and each engine's seconds split
 into plain and speculative rounds with and without an admission (prefill of new requests), as count × mean ms.
 """
@@ -40,6 +42,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -50,6 +53,7 @@ from common import environment  # noqa: E402
 from transformers.cache_utils import DynamicCache  # noqa: E402
 
 from dspark_hf.devices import synchronize  # noqa: E402
+from dspark_hf.generation import static_attention  # noqa: E402
 from dspark_hf.models import TargetLayerTap  # noqa: E402
 from dspark_hf.scheduling import SpeculationGuard, SPSTable  # noqa: E402
 from dspark_hf.serving import DSparkEngine  # noqa: E402
@@ -219,6 +223,10 @@ STATIC_SETTINGS = {  # name: (dtype, DSparkEngine options); static_compile None:
     "static_bf16_compiled": (torch.bfloat16, dict(static=True)),
     "static_fp32_eager_rounds": (torch.float32, dict(static=True, static_compile=False)),
     "static_fp32_compiled": (torch.float32, dict(static=True)),
+    # the 2026-12-02 search for the GPU's lost drafts at c = 1 (results/serving_diagnostics/README.md)
+    "static_bf16_compiled_no_cudagraphs": (torch.bfloat16, dict(static=True, static_compile=dict(mode="default",
+                                                                                                 dynamic=False))),
+    "static_bf16_compiled_one_slice": (torch.bfloat16, dict(static=True)),  # the attention kernel never splits
 }
 
 
@@ -236,36 +244,46 @@ def reference_drafts(target, drafter, ids: list[int]) -> list[int]:
     return proposal.tokens[0].tolist()
 
 
-def static_acceptance(out: str, concurrency: int, device: str) -> None:
+def static_acceptance(out: str, concurrency: int, device: str, settings: list[str]) -> None:
     reference = serving.load_models("code50m", torch.float32, device)[:2]
     reference[1].share_target_weights(reference[0])
     results = {}
-    for name, (dtype, options) in STATIC_SETTINGS.items():
-        target, drafter, prompts = serving.load_models("code50m", dtype, device)
-        longest = max(map(len, prompts)) + max(serving.request_lengths(concurrency * CELL.requests_per_slot, CELL))
-        engine = DSparkEngine(target, drafter, policy="fixed", max_batch_size=concurrency, max_model_len=longest + 8,
-                              **options)
-        agreement = []
-        if options.get("static"):
-            engine.warm_up(progress=False)
-            runner, step = engine.runner, engine.runner.step
-
-            def checked_step(runner=runner, step=step):
-                before = {slot: list(row.ids) for slot, row in enumerate(runner.owner) if row is not None}
-                committed = step()
-                for slot, ids in before.items():
-                    agreement.append(runner.rounds.drafts[slot].tolist() == reference_drafts(*reference, ids))
-                return committed
-
-            runner.step = checked_step
-        seconds, log = cell(engine, prompts, concurrency, CELL)
-        accepted = [n for entry in log for n in entry["accepted"]]
-        results[name] = dict(tau=(sum(accepted) + len(accepted)) / len(accepted), rounds=len(log),
-                             seconds=seconds, drafts_equal_fp32_reference=statistics.fmean(agreement)
-                             if agreement else None)
-        print(name, results[name], flush=True)
+    for name in settings:
+        dtype, options = STATIC_SETTINGS[name]
+        one_slice = mock.patch.object(static_attention, "_sm_count", lambda device: 1)
+        with one_slice if name.endswith("one_slice") else contextlib.nullcontext():
+            results[name] = acceptance_of(name, dtype, options, concurrency, reference)
     Path(out).write_text(json.dumps(dict(environment=environment(), concurrency=concurrency, cell=vars(CELL),
                                          policy="fixed, gamma 7", results=results), indent=2) + "\n")
+
+
+def acceptance_of(name: str, dtype: torch.dtype, options: dict, concurrency: int, reference: tuple) -> dict:
+    """τ, rounds and seconds of one static-acceptance setting; for the static engine, the share of its drafts
+    equal to `reference`'s (float32 eager models) from the same committed context."""
+    device = reference[0].device
+    target, drafter, prompts = serving.load_models("code50m", dtype, device)
+    longest = max(map(len, prompts)) + max(serving.request_lengths(concurrency * CELL.requests_per_slot, CELL))
+    engine = DSparkEngine(target, drafter, policy="fixed", max_batch_size=concurrency, max_model_len=longest + 8,
+                          **options)
+    agreement = []
+    if options.get("static"):
+        engine.warm_up(progress=False)
+        runner, step = engine.runner, engine.runner.step
+
+        def checked_step(runner=runner, step=step):
+            before = {slot: list(row.ids) for slot, row in enumerate(runner.owner) if row is not None}
+            committed = step()
+            for slot, ids in before.items():
+                agreement.append(runner.rounds.drafts[slot].tolist() == reference_drafts(*reference, ids))
+            return committed
+
+        runner.step = checked_step
+    seconds, log = cell(engine, prompts, concurrency, CELL)
+    accepted = [n for entry in log for n in entry["accepted"]]
+    result = dict(tau=(sum(accepted) + len(accepted)) / len(accepted), rounds=len(log), seconds=seconds,
+                  drafts_equal_fp32_reference=statistics.fmean(agreement) if agreement else None)
+    print(name, result, flush=True)
+    return result
 
 
 def main() -> None:
@@ -282,6 +300,7 @@ def main() -> None:
     acceptance = commands.add_parser("static-acceptance")
     acceptance.add_argument("out")
     acceptance.add_argument("--concurrency", type=int, default=1)
+    acceptance.add_argument("--settings", nargs="+", choices=list(STATIC_SETTINGS), default=list(STATIC_SETTINGS)[:6])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     if args.command == "host-phases":
@@ -289,7 +308,7 @@ def main() -> None:
     elif args.command == "round-logs":
         round_logs(args.out, args.concurrency, args.device)
     elif args.command == "static-acceptance":
-        static_acceptance(args.out, args.concurrency, args.device)
+        static_acceptance(args.out, args.concurrency, args.device, args.settings)
     elif args.command == "round-log-report":
         round_log_report(args.path)
     else:

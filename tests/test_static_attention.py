@@ -87,6 +87,28 @@ def test_what_the_kernel_does_not_cover_runs_sdpa(monkeypatch):
 
 
 @interp
+def test_compiled_callers_get_the_kernels_as_one_opaque_operator(monkeypatch):
+    """torch.compile must not trace the kernel launches: inductor did before, and on an H200 the split path's
+    attention came out wrong inside the compiled engine rounds (docs/serving.md). The graph calls the custom
+    operator `dspark_hf::split_kv_attention`, which gives the eager output."""
+    monkeypatch.setattr(static_attention, "_sm_count", lambda device: 64)
+    module, query, key, value, mask = attention_case(1, 8, 4, 8, 272, 64, "bool")
+    graphs = []
+
+    def recording_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module
+
+    compiled = torch.compile(lambda *tensors: static_cache_attention(module, *tensors, scaling=0.3)[0],
+                             backend=recording_backend, fullgraph=True)
+    ours = compiled(query, key, value, mask)
+    eager, _ = static_cache_attention(module, query, key, value, mask, scaling=0.3)
+    torch.testing.assert_close(ours, eager, rtol=0, atol=0)
+    called = [str(node.target) for node in graphs[0].graph.nodes if node.op == "call_function"]
+    assert any("dspark_hf.split_kv_attention" in target for target in called), called
+
+
+@interp
 def test_static_generate_with_the_kernel_gives_the_same_tokens(monkeypatch):
     target = make_bigram_like(tiny_target("qwen3", vocab_size=48, eos_token_id=2, head_dim=16))
     drafter = install_bigram_oracle(tiny_drafter(target, block_size=5, markov_rank=48, head_dim=16), target)

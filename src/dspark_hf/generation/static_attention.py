@@ -92,7 +92,7 @@ if triton is not None:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k))
-            s = (s * scale).to(tl.float32)  # torch.compile passes a Python float `scale` as float64
+            s = (s * scale).to(tl.float32)
             ok = row_ok[:, None] & key_ok[None, :]
             if MASK_KIND == 1:
                 keep = tl.load(mask_ptr + b * sm_b + query[:, None] * sm_n + keys[None, :] * sm_l, mask=ok, other=0)
@@ -150,14 +150,13 @@ _SM_COUNTS: dict[int | None, int] = {}  # CUDA device index -> multiprocessors
 
 
 def _sm_count(device: torch.device) -> int:
-    """The device's multiprocessors (4 off CUDA). Read outside compiled code and cached, so that compiled callers
-    find it (`using_static_attention` reads it before the block runs)."""
+    """The device's multiprocessors (4 off CUDA)."""
     if device.type != "cuda":
         return 4
-    if device.index not in _SM_COUNTS and not torch.compiler.is_compiling():
+    if device.index not in _SM_COUNTS:
         index = device.index if device.index is not None else torch.cuda.current_device()
         _SM_COUNTS[device.index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNTS.get(device.index, 4)
+    return _SM_COUNTS[device.index]
 
 
 def _kernel_covers(query: torch.Tensor, key: torch.Tensor, dropout: float, kwargs: dict) -> bool:
@@ -188,18 +187,32 @@ def static_cache_attention(
     if not _kernel_covers(query, key, dropout, kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = query.shape[2] > 1 and attention_mask is None and causal
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+    return split_kv_attention(query, key, value, attention_mask, causal, scale), None
+
+
+@torch.library.custom_op("dspark_hf::split_kv_attention", mutates_args=())
+def split_kv_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                       causal: bool, scale: float) -> torch.Tensor:
+    """The kernels' launch, an opaque operator to torch.compile. Inductor traced the launches of the user-defined
+    kernels itself before, and in the compiled engine rounds on an H200 the split path (several slices, merged by
+    a second kernel) then gave wrong attention: about 6 % of the drafts at batch 1 equalled the eager ones, with
+    and without CUDA graphs, bf16 and float32, while one slice and eager launches were right
+    (docs/serving.md). As a custom operator the launches run as written, in order."""
     batch, num_heads, num_queries, head_dim = query.shape
     num_kv_heads, kv_length = key.shape[1], key.shape[2]
     group = num_heads // num_kv_heads
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    causal = num_queries > 1 and attention_mask is None and causal
     if query.stride(-1) != 1:
         query = query.contiguous()
     if key.stride(-1) != 1 or value.stride(-1) != 1:
         key, value = key.contiguous(), value.contiguous()
-    mask_kind, mask, mask_strides = MASK_NONE, query, (0, 0, 0)
-    if attention_mask is not None:
-        mask = attention_mask.expand(batch, 1, num_queries, kv_length)
+    mask_kind, mask_strides = MASK_NONE, (0, 0, 0)
+    if mask is None:
+        mask = query
+    else:
+        mask = mask.expand(batch, 1, num_queries, kv_length)
         mask_kind = MASK_BOOL if mask.dtype == torch.bool else MASK_ADDITIVE
         mask_strides = (mask.stride(0), mask.stride(2), mask.stride(3))
     rows = max(16, triton.next_power_of_2(group * num_queries))
@@ -213,7 +226,6 @@ def static_cache_attention(
     if slices > 1:
         parts = torch.empty(programs * slices * rows * head_dim, device=query.device, dtype=torch.float32)
         stats = torch.empty(programs * slices * rows * 2, device=query.device, dtype=torch.float32)
-    scale = scaling if scaling is not None else 1.0 / math.sqrt(head_dim)
     _attend_slice[(programs, slices)](
         query, key, value, mask, out, parts, stats,
         query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
@@ -225,7 +237,13 @@ def static_cache_attention(
     if slices > 1:
         _merge_slices[(programs,)](out, parts, stats, out.stride(0), out.stride(1), out.stride(2), num_kv_heads,
                                    num_queries, GROUP=group, ROWS=rows, HEAD_DIM=head_dim, SLICES=slices)
-    return out, None
+    return out
+
+
+@split_kv_attention.register_fake
+def _(query, key, value, mask, causal, scale):
+    batch, num_heads, num_queries, head_dim = query.shape
+    return query.new_empty(batch, num_queries, num_heads, head_dim)
 
 
 AttentionInterface.register(STATIC_ATTENTION, static_cache_attention)
@@ -237,9 +255,6 @@ def using_static_attention(*models: torch.nn.Module | None) -> Iterator[None]:
     """Runs the block with `models`' attention (their configs' `_attn_implementation`) set to the static-cache
     kernel; restores what was there afterwards."""
     configs = [model.config for model in models if model is not None]
-    for model in models:
-        if model is not None:
-            _sm_count(model.device)
     saved = [config._attn_implementation for config in configs]
     try:
         for config in configs:
