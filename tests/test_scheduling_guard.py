@@ -155,11 +155,11 @@ def test_width_chooser_estimates_acceptance_from_verified_drafts():
     chooser = RoundWidthChooser((0, 2, 4), decay=1.0)
     chooser.record(4, 1.0, [0, 1, 4, 4])  # draft 1 reached 4x, accepted 3x; draft 2: 3, 2; draft 3: 2, 2; 4: 2, 2
     chooser.record(2, 1.0, [2, 1])  # a round verifying 2: draft 1 reached 2, accepted 2; draft 2: 2, 1
-    assert chooser.survival().tolist() == pytest.approx([5 / 6, 5 / 6 * 3 / 5, 5 / 6 * 3 / 5, 5 / 6 * 3 / 5])
+    assert chooser.survival() == pytest.approx([5 / 6, 5 / 6 * 3 / 5, 5 / 6 * 3 / 5, 5 / 6 * 3 / 5])
     assert chooser.expected_tokens(0) == 1.0
     assert chooser.expected_tokens(2) == pytest.approx(1 + 5 / 6 + 1 / 2)
     chooser.record(0, 1.0, [0, 0, 0])  # plain rounds carry no acceptance
-    assert chooser.survival().tolist() == pytest.approx([5 / 6, 1 / 2, 1 / 2, 1 / 2])
+    assert chooser.survival() == pytest.approx([5 / 6, 1 / 2, 1 / 2, 1 / 2])
 
 
 @pytest.mark.parametrize("seconds, hazards, best", [

@@ -23,11 +23,10 @@ would verify goes stale; every refresh that does not change the choice doubles t
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
-from collections import deque
-
-import torch
+from collections import Counter, deque
 
 
 class RoundWidthChooser:
@@ -54,19 +53,24 @@ class RoundWidthChooser:
         self.refresh_every, self.max_refresh_every = refresh_every, max_refresh_every
         self.window = window
         self._buckets: dict[int, _WidthTimes] = {}
+        # Plain Python floats: the engine asks every round, and a few dozen small torch operations on the host
+        # cost about as much as a compiled round of a small model (~0.5 ms).
         longest = max(self.widths)
-        self._reached = torch.zeros(longest, dtype=torch.float64)  # drafts j verified with drafts < j accepted
-        self._accepted = torch.zeros(longest, dtype=torch.float64)  # ... and accepted
+        self._reached = [0.0] * longest  # drafts j verified with drafts < j accepted
+        self._accepted = [0.0] * longest  # ... and accepted
+        self._expected: list[float] | None = None  # expected_tokens(v) for v = 0..longest, until the next record
 
-    def survival(self) -> torch.Tensor:
-        """[max width]: S_j, the estimated probability that a row accepts its first j drafts (j = 1..)."""
-        hazards = torch.where(self._reached > 0, self._accepted / self._reached.clamp(min=1e-12),
-                              torch.zeros_like(self._reached))
-        return hazards.cumprod(dim=0)
+    def survival(self) -> list[float]:
+        """S_j for j = 1..max width: the estimated probability that a row accepts its first j drafts."""
+        hazards = (accepted / reached if reached > 0 else 0.0 for reached, accepted in zip(self._reached,
+                                                                                           self._accepted))
+        return list(itertools.accumulate(hazards, lambda survival, hazard: survival * hazard))
 
     def expected_tokens(self, width: int) -> float:
         """Tokens a row is expected to commit in a round that verifies `width` drafts."""
-        return 1.0 + float(self.survival()[:width].sum())
+        if self._expected is None:
+            self._expected = list(itertools.accumulate(self.survival(), initial=1.0))
+        return self._expected[width]
 
     def _bucket(self, rows: int) -> _WidthTimes:
         if rows not in self._buckets:
@@ -76,20 +80,21 @@ class RoundWidthChooser:
     def throughput(self, width: int, rows: int = 0) -> float | None:
         """Expected committed tokens per second and row for `width` in rounds of `rows` rows; until those are
         measured, from the nearest number of rows where they are (None: nowhere yet)."""
-        measured = [count for count, bucket in self._buckets.items() if len(bucket.times[width]) >= self.samples]
+        measured = [count for count, bucket in self._buckets.items() if bucket.median[width] is not None]
         if not measured:
             return None
         nearest = min(measured, key=lambda count: (abs(math.log2(max(count, 1) / max(rows, 1))), -count))
-        return self.expected_tokens(width) / statistics.median(self._buckets[nearest].times[width])
+        return self.expected_tokens(width) / self._buckets[nearest].median[width]
 
     def choose(self, rows: int = 0) -> int:
         """The number of drafts the next round (of `rows` rows) verifies."""
         bucket = self._bucket(rows)
         bucket.rounds += 1
-        unmeasured = [width for width in self.widths if self.throughput(width, rows) is None]
+        rates = {width: self.throughput(width, rows) for width in self.widths}
+        unmeasured = [width for width, rate in rates.items() if rate is None]
         if unmeasured:
             return unmeasured[0]
-        best = max(self.widths, key=lambda width: self.throughput(width, rows))
+        best = max(self.widths, key=rates.__getitem__)
         if best != bucket.best:
             bucket.best, bucket.interval = best, dict.fromkeys(self.widths, self.refresh_every)
         for width in self.widths:
@@ -105,16 +110,19 @@ class RoundWidthChooser:
         bucket.last_run[width] = bucket.rounds
         bucket.runs[width] += 1
         if bucket.runs[width] > self.warmup:
-            bucket.times[width].append(seconds)
+            times = bucket.times[width]
+            times.append(seconds)
+            bucket.median[width] = statistics.median(times) if len(times) >= self.samples else None
         if width == 0 or not accepted:
             return
-        self._reached.mul_(self.decay)
-        self._accepted.mul_(self.decay)
-        counts = torch.tensor(accepted, dtype=torch.long).clamp(max=width)
-        slots = torch.arange(width)
-        reached = slots[None, :] <= counts[:, None]  # draft j + 1 was verified after j accepted (j < width)
-        self._reached[:width] += reached.sum(dim=0).double()
-        self._accepted[:width] += (slots[None, :] < counts[:, None]).sum(dim=0).double()
+        self._reached = [count * self.decay for count in self._reached]
+        self._accepted = [count * self.decay for count in self._accepted]
+        for count, rows_with_it in Counter(min(count, width) for count in accepted).items():
+            for slot in range(min(count + 1, width)):  # draft slot + 1 was verified after `slot` accepted
+                self._reached[slot] += rows_with_it
+            for slot in range(count):
+                self._accepted[slot] += rows_with_it
+        self._expected = None
 
     def summary(self) -> dict[int, dict[int, dict[str, float | None]]]:
         """Per number of rows, per width: median round milliseconds, expected tokens per row, and tokens per second
@@ -131,6 +139,7 @@ class _WidthTimes:
 
     def __init__(self, widths: tuple[int, ...], window: int, refresh_every: int):
         self.times = {width: deque(maxlen=window) for width in widths}
+        self.median: dict[int, float | None] = dict.fromkeys(widths)  # of `times`, once they hold `samples`
         self.runs = dict.fromkeys(widths, 0)
         self.last_run = dict.fromkeys(widths, 0)
         self.interval = dict.fromkeys(widths, refresh_every)
