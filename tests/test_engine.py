@@ -411,6 +411,8 @@ def test_static_engine_serves_arrivals_and_cancellations_exactly(models, setting
             assert out.token_ids == expected[: len(out.token_ids)]
         else:
             assert out.token_ids == expected
+        if out.finish_reason == "length":  # the rounds' accepted drafts count only the tokens the request got
+            assert sum(accepted + 1 for accepted in handle.row.accepted) == len(out.token_ids) - 1  # (1: prefill)
     assert cancelled > 0
     verified = {entry["verify"][0] for entry in engine.round_log}
     expected = {"fixed": {drafter.config.num_draft_slots}, "fixed_gamma_2": {2}, "plain": {0}}.get(

@@ -247,9 +247,9 @@ class StaticRows:
             if row is None:
                 continue
             accepted, *tokens = record[index]
+            row.drafted.append(verify)  # (the round's width; drafts past the row's budget are verified, not used)
+            row.accepted.append(min(accepted, max(row.remaining - 1, 0)))  # as the eager rows count them
             row.ids.extend(tokens[: accepted + 1])
-            row.drafted.append(verify)
-            row.accepted.append(accepted)
             committed.append(tokens[: accepted + 1])
             accepted_drafts.append(accepted)
             self.pending[index] = self.pending[index] + 1 if verify == 0 else accepted + 1
