@@ -52,7 +52,9 @@ rounds are graphs). Its rounds compile once per shape, so each concurrency keeps
 included: a plain one (no drafter) and a speculative one whose policy is switched between runs
 (`StaticRows.set_policy`), whose hardware-aware chooser lives across that concurrency's runs. Both compile every round
 graph they can run (`DSparkEngine.warm_up`: every row prefix and width, and the flush) before the warm-up run, so that
-no compilation falls into a timed run; each cell records that time (`warm_up_seconds`, of its engine). The cells run
+no compilation falls into a timed run; each cell records that time (`warm_up_seconds`, of its engine). On the H200 a
+graph takes 10-13 s to compile, and concurrency c has log2(c) + 1 row prefixes: `--graph-sizes-per-cell N` keeps the
+N largest (c, c/2, ...; `static_graph_batch_sizes`), at the price of more free rows in the rounds of a draining batch. The cells run
 one after another (`--sequential` is implied): the speculative policies share one engine. (torch.compile's
 `backend="cudagraphs"`, which would capture the eager kernels and compile faster, fails on the H200 with torch 2.11 at
 the Triton attention kernel's call: `BackendCompilerFailed ... cannot extract sympy expressions from {'part_ptr': ...}`;
@@ -455,10 +457,12 @@ def run_static_cells(target, drafter, prompts, concurrency: int, names: list[str
     # --dynamic-batch: dynamo's automatic dynamic shapes: a width's first two row prefixes compile (the second with a
     # symbolic batch size, which the larger ones reuse), and CUDA graphs are still recorded per prefix
     compile_rounds = dict(mode="reduce-overhead", dynamic=None) if args.dynamic_batch else None
+    graph_sizes = {max(1, concurrency >> k) for k in range(args.graph_sizes_per_cell)} or None
     engines = {kind: DSparkEngine(target, drafter if kind == "speculative" else None, static=True,
                                   policy="hardware_aware" if kind == "speculative" else "none",
                                   max_batch_size=concurrency, max_model_len=longest + 8, static_compile=compile_rounds,
-                                  admission_batch=min(args.admission_batch, concurrency))
+                                  admission_batch=min(args.admission_batch, concurrency),
+                                  static_graph_batch_sizes=graph_sizes)
                for kind in ("plain", "speculative")}
     chooser = engines["speculative"].runner.chooser
     warm_up_seconds = {}
@@ -502,7 +506,10 @@ def run_static_cells(target, drafter, prompts, concurrency: int, names: list[str
 
 def static_engine_label(args: argparse.Namespace) -> str:
     shapes = "symbolic batch" if args.dynamic_batch else "one compilation per row prefix"
-    return f"static (DSparkEngine(static=True), inductor, {shapes}, admission_batch {args.admission_batch})"
+    prefixes = (f"the {args.graph_sizes_per_cell} largest of c, c/2, ... rows" if args.graph_sizes_per_cell
+                else "power-of-two row prefixes")
+    return (f"static (DSparkEngine(static=True), inductor, {shapes}, {prefixes}, "
+            f"admission_batch {args.admission_batch})")
 
 
 # ---------------------------------------------------------------------------------------------------- report
@@ -597,6 +604,10 @@ def main() -> None:
     parser.add_argument("--dynamic-batch", action="store_true",
                         help="--static: compile the rounds with a symbolic batch size (two compilations per width "
                              "instead of one per row prefix and width; CUDA graphs still per prefix)")
+    parser.add_argument("--graph-sizes-per-cell", type=int, default=0,
+                        help="--static: the rows a round may run are the N largest of c, c/2, c/4, ... at concurrency "
+                             "c (DSparkEngine's static_graph_batch_sizes; fewer graphs to compile, draining batches "
+                             "run more free rows); default 0: every power of two")
     parser.add_argument("--admission-batch", type=int, default=1,
                         help="--static: DSparkEngine's admission_batch (waiting requests join once this many rows are "
                              "free; capped at the concurrency)")

@@ -497,6 +497,28 @@ def test_static_engine_compiles_every_graph_at_warm_up_and_none_while_serving():
         engine.warm_up()
 
 
+def test_static_engine_runs_only_the_graph_batch_sizes_it_is_given(models):
+    """`static_graph_batch_sizes=(2,)` on 4 rows: warm_up runs 2 sizes (2 and the whole 4) × 2 widths + 2 flushes;
+    rounds of any occupancy run 2 or 4 rows, never 1, and stay exact. Sizes outside 1..max_batch_size are refused,
+    as is the option on the eager engine."""
+    target, drafter = models
+    widths = (0, drafter.config.num_draft_slots)
+    engine = DSparkEngine(target, drafter, max_batch_size=4, max_model_len=64, static=True, policy="hardware_aware",
+                          static_graph_batch_sizes=(2,), default_sampling={"temperature": 0})
+    assert engine.runner.graph_batch_sizes == (2, 4)
+    assert engine.warm_up(widths, progress=False) == 2 * len(widths) + 2
+    engine.runner.chooser = RandomWidths(widths, seed=1, plain_share=0.5)
+    serve_exactly(engine, target, random.Random(5), 6, 10, (1, 30))
+    assert set(engine.runner.rounds._prefixes) == {2}  # (4 rows: the rounds object itself)
+    assert {entry["batch"] for entry in engine.round_log} >= {1, 4}  # one request alone ran on 2 rows
+    for sizes in ((0, 2), (8,)):
+        with pytest.raises(ValueError, match="graph_batch_sizes must lie in"):
+            DSparkEngine(target, drafter, max_batch_size=4, max_model_len=64, static=True,
+                         static_graph_batch_sizes=sizes)
+    with pytest.raises(ValueError, match="applies to DSparkEngine.static=True"):
+        DSparkEngine(target, drafter, max_batch_size=4, static_graph_batch_sizes=(2,))
+
+
 @pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
 def test_admission_batch_waits_for_enough_free_rows(models, static):
     """admission_batch=3: after the first prefill, waiting requests join only when at least 3 rows are free (or

@@ -88,11 +88,14 @@ def test_interleaved_cells_replay_a_trace_per_engine(models):
 
 
 @torch.inference_mode()
-def test_static_cells_run_every_policy_on_two_kept_engines(models):
+@pytest.mark.parametrize("graph_sizes_per_cell", [0, 1])
+def test_static_cells_run_every_policy_on_two_kept_engines(models, graph_sizes_per_cell):
     """`--static`: each policy's runs (warm-up first) on the concurrency's two engines; fixed γ verifies γ drafts per
-    round, no speculation none, the hardware-aware chooser any of its widths, and every request gets its length."""
+    round, no speculation none, the hardware-aware chooser any of its widths, and every request gets its length.
+    `--graph-sizes-per-cell 1`: every round runs all the concurrency's rows."""
     target, drafter, prompts = models
-    args = argparse.Namespace(**vars(ARGS), repeats=2, dynamic_batch=False, admission_batch=1)  # (CPU: no compile)
+    args = argparse.Namespace(**vars(ARGS), repeats=2, dynamic_batch=False, admission_batch=1,  # (CPU: no compile)
+                              graph_sizes_per_cell=graph_sizes_per_cell)
     names = ["no_spec", "fixed_1", "fixed_3", "fixed_7", "hardware_aware"]
     runs = serving.run_static_cells(target, drafter, prompts, 2, names, args)
     lengths = serving.request_lengths(4, ARGS)
@@ -106,4 +109,5 @@ def test_static_cells_run_every_policy_on_two_kept_engines(models):
             assert widths <= expected and widths
     chooser = runs["hardware_aware"][-1]["chooser"]  # per number of rows the rounds ran, per width
     assert "2" in chooser and all(set(widths) == {"0", "1", "3", "7"} for widths in chooser.values())
+    assert set(chooser) == ({"2"} if graph_sizes_per_cell == 1 else {"1", "2"})
     assert all(cell["matched_no_spec"] == 1.0 for name in names[1:] for cell in runs[name])  # float32: lossless

@@ -203,7 +203,7 @@ class StaticBatchRounds:
     def prefix(self, rows: int) -> StaticBatchRounds:
         """The rounds of the first `rows` rows alone (after `prefill`): state and caches are views of these, so what
         a round on it writes these hold, and it compiles graphs of its own. Kept per size. `DSparkEngine(static=True)`
-        runs its rounds on the smallest power-of-two prefix that holds every request."""
+        runs its rounds on the smallest prefix of its `graph_batch_sizes` that holds every request."""
         if rows == self.pad.shape[0]:
             return self
         if rows not in self._prefixes:

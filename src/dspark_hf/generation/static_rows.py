@@ -2,9 +2,10 @@
 
 The same interface as `SpeculativeRows` (`rows`, `add`, `step`, `remove`), over a `StaticBatchRounds` of
 `max_batch_size` rows: a request takes the lowest free row (`StaticBatchRounds.admit`), every round drafts for the
-rows of the smallest power-of-two prefix that holds every request (`StaticBatchRounds.prefix`) and verifies the same
-number v of drafts of each in one target forward (one CUDA graph per prefix and v with `compile=True`, one host read
-per round), and a finished or cancelled request frees its row. Free rows inside the prefix keep computing until a
+rows of the smallest allowed prefix that holds every request (`graph_batch_sizes`, default the powers of two and
+`max_batch_size`; `StaticBatchRounds.prefix`) and verifies the same number v of drafts of each in one target forward
+(one CUDA graph per prefix and v with `compile=True`, one host read per round), and a finished or cancelled request
+frees its row. Free rows inside the prefix keep computing until a
 request takes them (their results are dropped). v is fixed, or chosen each round by a `RoundWidthChooser` from
 measured round times and acceptance (v = 0: a plain round, whose target features go to the drafter's pending
 context). A round with only greedy requests runs the greedy graph; one with any sampled request runs the sampled
@@ -14,6 +15,7 @@ ones: their argmax), and `dspark_hf.verify` accepts per row (greedy rows greedil
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Iterable
 from contextlib import nullcontext
@@ -41,14 +43,25 @@ class StaticRows:
     many as `chooser` picks. `sampler` (the engine's `RequestSampler`: `params(rows, device)`, `first_tokens(rows,
     logits)` and its `generator`) draws sampled requests' tokens; without one every request decodes greedily.
     `compile`, `attention`, `fuse_projections` as in `static_generate_batch` (`compile=True`: one CUDA graph per
-    row prefix, number of verified drafts and kind, greedy or sampled)."""
+    row prefix, number of verified drafts and kind, greedy or sampled). `graph_batch_sizes`: the numbers of rows a
+    round may run, each round the smallest that holds every request (`max_batch_size` is always one; default: the
+    powers of two below it). Fewer sizes compile fewer graphs; the rounds of a batch that drains then run more free
+    rows."""
 
     def __init__(self, target: PreTrainedModel, drafter: DSparkDraftModel | None, max_batch_size: int,
                  max_model_len: int, compile: bool | dict = False, attention: str = "auto",
                  fuse_projections: bool | None = None, verify: int | None = None,
-                 chooser: RoundWidthChooser | None = None, sampler=None):
+                 chooser: RoundWidthChooser | None = None, sampler=None,
+                 graph_batch_sizes: Iterable[int] | None = None):
         span = 1 if drafter is None else drafter.config.num_draft_slots + 1  # the most tokens a round runs per row
         self.span, self.batch_size = span, max_batch_size
+        if graph_batch_sizes is None:
+            graph_batch_sizes = [1 << power for power in range(max_batch_size.bit_length())]
+        graph_batch_sizes = sorted({*graph_batch_sizes, max_batch_size})
+        if graph_batch_sizes[0] < 1 or graph_batch_sizes[-1] > max_batch_size:
+            raise ValueError(f"graph_batch_sizes must lie in 1..max_batch_size ({max_batch_size}), got "
+                             f"{graph_batch_sizes}.")
+        self.graph_batch_sizes = tuple(graph_batch_sizes)
         self.set_policy(verify, chooser)
         window = PENDING_ROUNDS * span if drafter is not None else 0
         # a short prompt's left padding, a round's overshoot past max_tokens, and a flush's reach past the anchor
@@ -168,7 +181,7 @@ class StaticRows:
                 self.rounds.prefill(prompt, torch.ones_like(prompt))
             self.rounds.active.zero_()
             self.started = True
-        sizes = sorted({min(self.batch_size, 1 << last.bit_length()) for last in range(self.batch_size)})
+        sizes = self.graph_batch_sizes
         kinds = ["greedy", *(["sampled", "filtered"] if sampled else [])]
         graphs = [(size, kind, width) for size in sizes for width in widths for kind in kinds]
         flushes = sizes if 0 in widths and self.rounds.drafter is not None else []
@@ -223,10 +236,10 @@ class StaticRows:
 
     @torch.no_grad()
     def step(self) -> list[list[int]]:
-        """One round for the rows of the smallest power-of-two prefix that holds every request (requests take the
-        lowest free rows); returns the tokens each request's row committed, in `rows` order."""
+        """One round for the rows of the smallest prefix in `graph_batch_sizes` that holds every request (requests
+        take the lowest free rows); returns the tokens each request's row committed, in `rows` order."""
         last = max(index for index, row in enumerate(self.owner) if row is not None)
-        count = min(self.batch_size, 1 << last.bit_length())  # the power of two above the last request's row
+        count = self.graph_batch_sizes[bisect.bisect_left(self.graph_batch_sizes, last + 1)]
         rounds = self.rounds.prefix(count)
         verify = self.chooser.choose(count) if self.chooser is not None else self.verify
         started = time.perf_counter()
