@@ -20,10 +20,12 @@
 #     reached: compilation took most of the call; SERVING_TIMEOUT keeps what finished):
 #     SERVING_TIMEOUT=530 ... --model code50m --static --max-new-tokens 64 --repeats 2 --requests-per-slot 2 --no-paged
 #     --concurrency 1 16 256 --out $OUT/serving_static_h200.json
-# Next: the same with --dynamic-batch (two compilations per width instead of one per row prefix and width), one call
-#     per few concurrencies, carrying the JSON back in as --out; every graph now compiles in DSparkEngine.warm_up()
-#     before the runs (warm_up_seconds in each cell). First check why tau at c = 1 is 2.27 on the GPU against 4.67
-#     on the CPU (docs/serving.md).
+# 2026-12-02 (tenth session): --dynamic-batch compiled slower on the GPU (26-39 s a graph); the split-KV attention
+#     bug that cost the static engine its drafts at c = 1 is fixed; c = 1 and 2 re-run (serving_static_custom_op_*.log).
+# Next (two calls, about 500 s each; one size of graphs per concurrency, 6 graphs of 10-13 s, longer runs):
+#     SERVING_TIMEOUT=560 ... --model code50m --static --graph-sizes-per-cell 1 --max-new-tokens 64 --repeats 3
+#     --requests-per-slot 4 --no-paged --concurrency 1 2 4 8 16 --out $OUT/static_sweep.json   (then 32 64 128 256,
+#     carrying static_sweep.json back in as --out; a name other than serving_static_h200.json, which is copied below)
 set -uo pipefail
 # SERVING_TIMEOUT=S stops the benchmark after S seconds (results are saved after every concurrency); 0: no limit.
 export PYTHONPATH=${DSPARK_SRC:-src}
