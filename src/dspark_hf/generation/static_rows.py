@@ -5,12 +5,12 @@ The same interface as `SpeculativeRows` (`rows`, `add`, `step`, `remove`), over 
 rows of the smallest allowed prefix that holds every request (`graph_batch_sizes`, default the powers of two and
 `max_batch_size`; `StaticBatchRounds.prefix`) and verifies the same number v of drafts of each in one target forward
 (one CUDA graph per prefix and v with `compile=True`, one host read per round), and a finished or cancelled request
-frees its row. Free rows inside the prefix keep computing until a
-request takes them (their results are dropped). v is fixed, or chosen each round by a `RoundWidthChooser` from
-measured round times and acceptance (v = 0: a plain round, whose target features go to the drafter's pending
-context). A round with only greedy requests runs the greedy graph; one with any sampled request runs the sampled
-graph, in which each row draws with its own temperature / top-k / top-p on Exp(1) noise (greedy rows on noise of
-ones: their argmax), and `dspark_hf.verify` accepts per row (greedy rows greedily) after it.
+frees its row. Free rows inside the prefix keep computing until a request takes them (their results are dropped).
+v is fixed, or chosen each round by a `RoundWidthChooser` from measured round times and acceptance (v = 0: a plain
+round, whose target features go to the drafter's pending context). A round with only greedy requests runs the
+greedy graph; one with any sampled request runs the sampled graph, in which each row draws with its own temperature
+/ top-k / top-p on Exp(1) noise (greedy rows on noise of ones: their argmax), and `dspark_hf.verify` accepts per row
+(greedy rows greedily) after it.
 """
 
 from __future__ import annotations
