@@ -165,10 +165,8 @@ class StaticRows:
         """Runs, before the first request, every graph that rounds verifying `widths` drafts (default: the policy's)
         can run: per row prefix, each width's greedy round, with `sampled` its two sampled rounds (with and without
         top-k / top-p), and the flush when plain rounds are among `widths`. With `compile`, nothing compiles while
-        requests are served afterwards. The rounds run on free rows, whose results are dropped (a round costs the
-        same with requests: free rows keep computing). A chooser's widths' greedy rounds run `warmup + samples`
-        times and give it their times, so that serving starts with every round time known. Returns the number of
-        graphs run."""
+        requests are served afterwards. The rounds run on free rows, whose results are dropped. Returns the number
+        of graphs run."""
         if self.rows:
             raise RuntimeError("warm_up() runs before the first request.")
         if sampled and self.sampler is None:
@@ -190,17 +188,11 @@ class StaticRows:
         with self._kernels(), tqdm(total=len(graphs) + len(flushes), desc="round graphs", disable=not progress) as bar:
             for size, kind, width in graphs:
                 rounds = self.rounds.prefix(size)
-                timed = kind == "greedy" and self.chooser is not None and width in self.chooser.widths
-                for _ in range(self.chooser.warmup + self.chooser.samples if timed else 1):
-                    started = time.perf_counter()
-                    with self._tap(rounds):
-                        if kind == "greedy":
-                            rounds.greedy_round(width)()
-                        else:
-                            self._sampled_round(rounds, width, filtered=kind == "filtered")
-                    rounds.record.tolist()  # (a round's one synchronisation, as in `step`)
-                    if timed:
-                        self.chooser.record(width, time.perf_counter() - started, [], size)
+                with self._tap(rounds):
+                    if kind == "greedy":
+                        rounds.greedy_round(width)()
+                    else:
+                        self._sampled_round(rounds, width, filtered=kind == "filtered")
                 bar.update()
             for size in flushes:
                 with self._tap(self.rounds.prefix(size)):

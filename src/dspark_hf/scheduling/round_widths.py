@@ -9,20 +9,16 @@ round, the v with the most expected committed tokens per second,
 
 where t(v) is the median of v's last measured round times and S_j the probability that a row accepts its first j
 drafts, estimated from every verified draft of recent rounds (hazards h_j = P(draft j accepted | drafts < j were),
-S_j = h_1 ... h_j; counts decay so that the estimate follows the text). A draft slot no round has verified yet
-counts as accepted (h_j = 1: optimism, so that the widest width gets tried and measures every slot at once). A
-plain round commits one token per row.
+S_j = h_1 ... h_j; counts decay so that the estimate follows the text). A plain round commits one token per row.
 
-Round times are kept per number of rows the rounds run (`rows`: the engine runs the smallest allowed prefix of its
-rows that holds every request), acceptance across them. Every width is measured first (`warmup` discarded rounds:
+Round times are kept per number of rows the rounds run (`rows`: the engine runs the smallest power-of-two prefix of
+its rows that holds every request), acceptance across them. Every width is measured first (`warmup` discarded rounds:
 a compiled round's first calls compile and capture, then `samples`); a number of rows not yet measured at some width
 borrows that width's time from the nearest one that is (the larger of two equally near), so that a batch draining
-to fewer rows does not explore again. Times can also come before any request (`record` with no accepted drafts, as
-`StaticRows.warm_up` does). After that, each width wider than the chosen one is run again once `refresh_every`
-rounds (at this number of rows) have passed since it last ran there, so that the acceptance of the drafts only it
-verifies does not go stale; every refresh that does not change the choice doubles that width's interval (up to
-`max_refresh_every`), and a change of choice resets them all. A narrower width only re-measures its time (the
-chosen width's rounds verify its drafts too): every `max_refresh_every` rounds.
+to fewer rows does not explore again. After that, each other width is run again once `refresh_every` rounds (at this
+number of rows) have passed since it last ran there, so that neither its time nor the acceptance of drafts it
+would verify goes stale; every refresh that does not change the choice doubles that width's interval (up to
+`max_refresh_every`), and a change of choice resets them all.
 """
 
 from __future__ import annotations
@@ -42,8 +38,8 @@ class RoundWidthChooser:
         samples: timed rounds of each width before the choice is made on the measurements.
         window: round times kept per width; their median is used.
         decay: factor on the acceptance counts at every speculative round: 0.99 remembers about the last hundred.
-        refresh_every: rounds after which a width wider than the chosen one is run again, after a change of choice.
-        max_refresh_every: the longest such interval, and that of the narrower widths.
+        refresh_every: rounds after which a width that is not chosen is run again, after a change of choice.
+        max_refresh_every: the longest such interval.
     """
 
     def __init__(self, widths: tuple[int, ...], warmup: int = 2, samples: int = 3, window: int = 9,
@@ -65,9 +61,8 @@ class RoundWidthChooser:
         self._expected: list[float] | None = None  # expected_tokens(v) for v = 0..longest, until the next record
 
     def survival(self) -> list[float]:
-        """S_j for j = 1..max width: the estimated probability that a row accepts its first j drafts (a slot never
-        verified yet: h_j = 1)."""
-        hazards = (accepted / reached if reached > 0 else 1.0 for reached, accepted in zip(self._reached,
+        """S_j for j = 1..max width: the estimated probability that a row accepts its first j drafts."""
+        hazards = (accepted / reached if reached > 0 else 0.0 for reached, accepted in zip(self._reached,
                                                                                            self._accepted))
         return list(itertools.accumulate(hazards, lambda survival, hazard: survival * hazard))
 
@@ -101,9 +96,7 @@ class RoundWidthChooser:
             return unmeasured[0]
         best = max(self.widths, key=rates.__getitem__)
         if best != bucket.best:
-            bucket.best = best
-            bucket.interval = {width: self.refresh_every if width > best else self.max_refresh_every
-                               for width in self.widths}
+            bucket.best, bucket.interval = best, dict.fromkeys(self.widths, self.refresh_every)
         for width in self.widths:
             if width != best and bucket.rounds - bucket.last_run[width] >= bucket.interval[width]:
                 bucket.interval[width] = min(2 * bucket.interval[width], self.max_refresh_every)
@@ -112,7 +105,7 @@ class RoundWidthChooser:
 
     def record(self, width: int, seconds: float, accepted: list[int], rows: int = 0) -> None:
         """A finished round of `rows` rows that verified `width` drafts: its wall-clock seconds and each running
-        request's accepted drafts (none: a round timed without requests)."""
+        request's accepted drafts."""
         bucket = self._bucket(rows)
         bucket.last_run[width] = bucket.rounds
         bucket.runs[width] += 1
