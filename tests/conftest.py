@@ -20,3 +20,34 @@ def shared_path(*parts: str) -> Path:
     if not path.exists():
         pytest.skip(f"{path} is absent (../shared is only present in the development workspace)")
     return path
+
+
+# Started first, in this order (seconds on the 2-core CI machine, under `-n 2`): with `--maxschedchunk 1` each xdist
+# worker takes the next test when it finishes one, so the two workers end together on short tests (the last collected
+# file's child process, ~2 minutes, used to run alone at the end). Inductor: test_static_batch's compile starts once
+# test_static_loop's has ended, and finds many of its C++ kernels in inductor's on-disk cache (~40 s instead of ~80 s
+# cold). Node-id prefixes; the other tests keep their collection order.
+RUN_FIRST = (
+    "tests/test_static_loop.py::test_inductor_",  # ~65 s (cold caches, as in CI)
+    "tests/test_verify_triton.py::test_in_child_process",  # ~80 s
+    "tests/test_generation_stateful.py::test_stateful_sampling_matches_target_distribution",  # ~70 s
+    "tests/test_generation_sampling.py::test_sampling_matches_target_distribution[t1.0]",  # 40-50 s each
+    "tests/test_static_batch.py::test_inductor_",  # ~40 s after test_static_loop's
+    "tests/test_generation_sampling.py::test_sampling_",
+    "tests/test_static_loop.py::test_sampling_matches_target_distribution",  # 50 and 30 s
+    "tests/test_engine.py::test_static_engine_compiles",  # ~50 s
+    "tests/test_static_attention.py::test_in_child_process",  # ~35 s
+    "tests/test_round_speed_benchmark.py::test_fixture_assistant_and_batched_prompts",  # 25 s
+    "tests/test_demo.py::test_build_demo_pair_script_smoke",  # 25 s
+    "tests/test_examples.py::",  # 10-20 s each
+    "tests/test_big_targets.py::test_tensor_parallel_target_is_lossless",  # 15-20 s
+    "tests/test_demo.py::test_demo_with_the_embedded_pair",  # 15-60 s
+)
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own reordering (by fixture parameters)
+def pytest_collection_modifyitems(config, items):
+    def rank(item) -> int:
+        return next((i for i, prefix in enumerate(RUN_FIRST) if item.nodeid.startswith(prefix)), len(RUN_FIRST))
+
+    items.sort(key=rank)  # stable: same-rank tests keep their collection order
