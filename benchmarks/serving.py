@@ -54,8 +54,8 @@ included: a plain one (no drafter) and a speculative one whose policy is switche
 graph they can run (`DSparkEngine.warm_up`: every row prefix and width, and the flush) before the warm-up run, so that
 no compilation falls into a timed run; each cell records that time (`warm_up_seconds`, of its engine). On the H200 a
 graph takes 10-13 s to compile, and concurrency c has log2(c) + 1 row prefixes: `--graph-sizes-per-cell N` keeps the
-N largest (c, c/2, ...; `static_graph_batch_sizes`), at the price of more free rows in the rounds of a draining batch. The cells run
-one after another (`--sequential` is implied): the speculative policies share one engine. (torch.compile's
+N largest (c, c/2, ...; `static_graph_batch_sizes`), at the price of more free rows in the rounds of a draining batch.
+The cells run one after another (`--sequential` is implied): the speculative policies share one engine. (torch.compile's
 `backend="cudagraphs"`, which would capture the eager kernels and compile faster, fails on the H200 with torch 2.11 at
 the Triton attention kernel's call: `BackendCompilerFailed ... cannot extract sympy expressions from {'part_ptr': ...}`;
 the rounds compile with inductor.)

@@ -3,7 +3,7 @@
     PYTHONPATH=src python benchmarks/serving_diagnostics.py host-phases OUT.json
     PYTHONPATH=src python benchmarks/serving_diagnostics.py plain-rounds [--concurrency 256] > OUT.txt
     PYTHONPATH=src python benchmarks/serving_diagnostics.py round-logs OUT.json [--concurrency 32 256]
-    PYTHONPATH=src python benchmarks/serving_diagnostics.py static-acceptance OUT.json [--concurrency 1] [--settings ...]
+    PYTHONPATH=src python benchmarks/serving_diagnostics.py static-acceptance OUT.json [--concurrency 1] [--settings S]
     python benchmarks/serving_diagnostics.py round-log-report OUT.json[.gz]   # reads the file only; no GPU
 
 host-phases: does the host change speed over time? Ten rows per setting, each timing a pure Python loop
