@@ -250,8 +250,8 @@ def static_acceptance(out: str, concurrency: int, device: str, settings: list[st
     results = {}
     for name in settings:
         dtype, options = STATIC_SETTINGS[name]
-        one_slice = mock.patch.object(static_attention, "_sm_count", lambda device: 1)
-        with one_slice if name.endswith("one_slice") else contextlib.nullcontext():
+        with (mock.patch.object(static_attention, "_sm_count", lambda device: 1) if name.endswith("one_slice")
+              else contextlib.nullcontext()):
             results[name] = acceptance_of(name, dtype, options, concurrency, reference)
     Path(out).write_text(json.dumps(dict(environment=environment(), concurrency=concurrency, cell=vars(CELL),
                                          policy="fixed, gamma 7", results=results), indent=2) + "\n")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 import statistics
 from collections import Counter, deque
 
@@ -64,7 +65,7 @@ class RoundWidthChooser:
         """S_j for j = 1..max width: the estimated probability that a row accepts its first j drafts."""
         hazards = (accepted / reached if reached > 0 else 0.0 for reached, accepted in zip(self._reached,
                                                                                            self._accepted))
-        return list(itertools.accumulate(hazards, lambda survival, hazard: survival * hazard))
+        return list(itertools.accumulate(hazards, operator.mul))
 
     def expected_tokens(self, width: int) -> float:
         """Tokens a row is expected to commit in a round that verifies `width` drafts."""
