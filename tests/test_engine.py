@@ -3,6 +3,7 @@ clear refusals of bad requests, text / chat / stop-string prompts, a background 
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -15,6 +16,7 @@ from tokenizers.models import WordLevel
 from transformers import LogitsProcessorList, PreTrainedTokenizerFast, TemperatureLogitsWarper, TopKLogitsWarper
 
 import dspark_hf  # noqa: F401
+from dspark_hf.generation.static_admission import ChunkedAdmission
 from dspark_hf.generation.static_batch import StaticBatchRounds
 from dspark_hf.scheduling import RoundWidthChooser, SpeculationGuard, SPSTable
 from dspark_hf.serving import DSparkEngine
@@ -431,12 +433,27 @@ def test_static_engine_drafts_from_each_requests_whole_context_across_plain_roun
     widths and requests joining finished ones' rows, every drafting round proposes, for every request, what the
     drafter proposes given its whole committed context (a random drafter: its drafts depend on all of it), and after
     every round each request's row of the drafter cache holds exactly its context's K/V. Markov heads of each kind,
-    and none (a DFlash drafter)."""
+    and none (a DFlash drafter). Admissions alternate between chunks of γ + 2 tokens (longer prompts take several)
+    and one eager forward."""
     target, _ = models
     drafter = tiny_drafter(target, block_size=5, seed=3, **head)
     engine = DSparkEngine(target, drafter, max_batch_size=3, max_model_len=64, static=True, policy="hardware_aware",
                           default_sampling={"temperature": 0})
     runner = engine.runner
+    runner.admission = ChunkedAdmission(runner.rounds, chunk=runner.rounds.width + 1)
+    add, modes = runner.add, itertools.cycle([1, 64])  # every group in one eager forward / every request in chunks
+
+    def alternating_add(rows):
+        runner.eager_admission_from = next(modes)
+        return add(rows)
+
+    runner.add = alternating_add
+    admissions = {"chunked": 0, "eager": 0}
+    for name, owner in (("chunked", runner.admission), ("eager", runner.rounds)):
+        def counted(*args, _admit=owner.admit, _name=name):
+            admissions[_name] += 1
+            return _admit(*args)
+        monkeypatch.setattr(owner, "admit", counted)
     runner.chooser = RandomWidths(runner.chooser.widths, seed=5, plain_share=0.7)  # runs of plain rounds
     step, checked = runner.step, []
 
@@ -459,13 +476,14 @@ def test_static_engine_drafts_from_each_requests_whole_context_across_plain_roun
     serve_exactly(engine, target, rng, 7, 12, (8, 30))
     plain = [entry for entry in engine.round_log if not entry["speculative"]]
     assert len(checked) > 10 and len(plain) > 5 and flushes
+    assert admissions["chunked"] and admissions["eager"]
 
 
 def test_static_engine_compiles_every_graph_at_warm_up_and_none_while_serving():
     """fullgraph=True: `warm_up(widths, sampled=True)` compiles each graph that rounds of those widths can run once:
     per row prefix (all rows, the first alone), plain rounds and γ drafts, greedy and sampled with and without
-    top-k / top-p, and the flush; serving greedy and sampled requests of both widths afterwards compiles nothing more,
-    and the greedy outputs are still the solo greedy ones. (Two widths, one target family: tracing takes about half
+    top-k / top-p, the flush and the admission chunk; serving greedy and sampled requests of both widths afterwards
+    compiles nothing more, and the greedy outputs are still the solo greedy ones. (Two widths, one target family: tracing takes about half
     a minute.)"""
     from test_static_loop import counting_backend
 
@@ -478,7 +496,8 @@ def test_static_engine_compiles_every_graph_at_warm_up_and_none_while_serving():
                           default_sampling={"temperature": 0})
     widths = (0, drafter.config.num_draft_slots)
     graphs = engine.warm_up(widths, sampled=True, progress=False)
-    assert graphs == 2 * len(widths) * 3 + 2 == len(compilations)  # (prefixes 1 and 2; three kinds; flushes)
+    # prefixes 1 and 2; three kinds; flushes; the admission chunk
+    assert graphs == 2 * len(widths) * 3 + 2 + 1 == len(compilations)
     engine.runner.chooser = RandomWidths(widths, seed=2, plain_share=0.5)
     rng = random.Random(3)
     serve_exactly(engine, target, rng, 5, 10, (10, 30))
@@ -506,7 +525,7 @@ def test_static_engine_runs_only_the_graph_batch_sizes_it_is_given(models):
     engine = DSparkEngine(target, drafter, max_batch_size=4, max_model_len=64, static=True, policy="hardware_aware",
                           static_graph_batch_sizes=(2,), default_sampling={"temperature": 0})
     assert engine.runner.graph_batch_sizes == (2, 4)
-    assert engine.warm_up(widths, progress=False) == 2 * len(widths) + 2
+    assert engine.warm_up(widths, progress=False) == 2 * len(widths) + 2 + 1  # (+ flushes, the admission chunk)
     engine.runner.chooser = RandomWidths(widths, seed=1, plain_share=0.5)
     serve_exactly(engine, target, random.Random(5), 6, 10, (1, 30))
     assert set(engine.runner.rounds._prefixes) == {2}  # (4 rows: the rounds object itself)

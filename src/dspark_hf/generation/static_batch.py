@@ -259,13 +259,15 @@ class StaticBatchRounds:
         self._rounds_by_kind["flush"]()
 
     # ------------------------------------------------------------------ target
-    def _target_forward(self, ids: torch.LongTensor, first_column: torch.Tensor):
-        """The target over `ids` [B, T] written from `first_column` [B] -> (float32 logits, features or None)."""
+    def _target_forward(self, ids: torch.LongTensor, first_column: torch.Tensor, logits_to_keep: int = 0):
+        """The target over `ids` [B, T] written from `first_column` [B] -> (float32 logits of the last
+        `logits_to_keep` tokens (0: all), features or None)."""
         self.target_cache.move_to(first_column)
         positions = (first_column - self.pad)[:, None] + torch.arange(ids.shape[1], device=ids.device)
         mask = visible_columns(self.pad, first_column, ids.shape[1], self.capacity, True, self.target.dtype)
+        keep = dict(logits_to_keep=logits_to_keep) if logits_to_keep else {}
         logits = self.target(input_ids=ids, position_ids=positions.clamp(min=0), attention_mask=mask,
-                             past_key_values=self.target_cache, use_cache=True).logits.float()
+                             past_key_values=self.target_cache, use_cache=True, **keep).logits.float()
         return logits, self.tap.features() if self.tap is not None else None
 
     def prefill(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor,

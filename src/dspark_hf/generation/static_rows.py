@@ -1,7 +1,7 @@
 """`StaticRows`: `DSparkEngine`'s rows on static caches (`DSparkEngine(..., static=True)`).
 
 The same interface as `SpeculativeRows` (`rows`, `add`, `step`, `remove`), over a `StaticBatchRounds` of
-`max_batch_size` rows: a request takes the lowest free row (`StaticBatchRounds.admit`), every round drafts for the
+`max_batch_size` rows: a request takes the lowest free row (`ChunkedAdmission.admit`), every round drafts for the
 rows of the smallest allowed prefix that holds every request (`graph_batch_sizes`, default the powers of two and
 `max_batch_size`; `StaticBatchRounds.prefix`) and verifies the same number v of drafts of each in one target forward
 (one CUDA graph per prefix and v with `compile=True`, one host read per round), and a finished or cancelled request
@@ -30,6 +30,7 @@ from ..tensor_ops import argmax_last
 from ..verify import verify as verify_drafts
 from .profiling import RoundProfiler
 from .speculative_rows import Row, left_padded
+from .static_admission import ChunkedAdmission
 from .static_batch import StaticBatchRounds
 from .static_loop import exponential_noise, fast_kernels, kernel_choice, kernels_active
 
@@ -46,13 +47,17 @@ class StaticRows:
     row prefix, number of verified drafts and kind, greedy or sampled). `graph_batch_sizes`: the numbers of rows a
     round may run, each round the smallest that holds every request (`max_batch_size` is always one; default: the
     powers of two below it). Fewer sizes compile fewer graphs; the rounds of a batch that drains then run more free
-    rows."""
+    rows. Admission (`add`): a request joins by `ChunkedAdmission` in chunks of `admission_chunk` tokens (one graph
+    whatever its length), or, when at least `eager_admission_from` requests of similar lengths join at once, in one
+    eager forward with the others: an eager forward of a small model costs about as much for one prompt as for a
+    few, 10-16 ms on the H200 for the 50M fixture, a chunk well under 1 ms (docs/serving.md)."""
 
     def __init__(self, target: PreTrainedModel, drafter: DSparkDraftModel | None, max_batch_size: int,
                  max_model_len: int, compile: bool | dict = False, attention: str = "auto",
                  fuse_projections: bool | None = None, verify: int | None = None,
                  chooser: RoundWidthChooser | None = None, sampler=None,
-                 graph_batch_sizes: Iterable[int] | None = None):
+                 graph_batch_sizes: Iterable[int] | None = None, admission_chunk: int = 64,
+                 eager_admission_from: int = 8):
         span = 1 if drafter is None else drafter.config.num_draft_slots + 1  # the most tokens a round runs per row
         self.span, self.batch_size = span, max_batch_size
         if graph_batch_sizes is None:
@@ -62,15 +67,19 @@ class StaticRows:
             raise ValueError(f"graph_batch_sizes must lie in 1..max_batch_size ({max_batch_size}), got "
                              f"{graph_batch_sizes}.")
         self.graph_batch_sizes = tuple(graph_batch_sizes)
+        self.eager_admission_from = eager_admission_from
         self.set_policy(verify, chooser)
         window = PENDING_ROUNDS * span if drafter is not None else 0
         # a short prompt's left padding, a round's overshoot past max_tokens, and a flush's reach past the anchor
         self.reach = span + window
-        capacity = max_model_len + span + self.reach
-        build = lambda: StaticBatchRounds(target, drafter, max_batch_size, capacity, compile,  # noqa: E731
-                                          context_window=window or None)
-        with fast_kernels(target, drafter, attention, fuse_projections, build) as rounds:
-            self.rounds = rounds
+        capacity = max_model_len + span + self.reach + admission_chunk  # (+ a prompt's padding to whole chunks)
+
+        def build() -> tuple[StaticBatchRounds, ChunkedAdmission]:
+            rounds = StaticBatchRounds(target, drafter, max_batch_size, capacity, compile, context_window=window or None)
+            return rounds, ChunkedAdmission(rounds, admission_chunk)
+
+        with fast_kernels(target, drafter, attention, fuse_projections, build) as (rounds, admission):
+            self.rounds, self.admission = rounds, admission
         kernel, fuse = kernel_choice(target, attention, fuse_projections)
         self._kernels = lambda: kernels_active(target, drafter, kernel, fuse)  # per call: the models are shared
         self.owner: list[Row | None] = [None] * max_batch_size  # each row's request
@@ -132,26 +141,32 @@ class StaticRows:
 
     @torch.no_grad()
     def add(self, rows: list[Row]) -> list[list[int]]:
-        """Gives each of `rows` a free row (one prefill per group of similar lengths); returns the one token each
-        committed, in `rows` order."""
+        """Gives each of `rows` a free row and prefills it: the first call in one eager forward per group of similar
+        lengths (which sets up every row), later ones by `ChunkedAdmission`, one request at a time, or, for groups of
+        at least `eager_admission_from` requests, in one eager forward per group (`StaticBatchRounds.admit`). Returns
+        the one token each committed, in `rows` order."""
         free = [index for index, owner in enumerate(self.owner) if owner is None]
         if len(free) < len(rows):
             raise RuntimeError(f"{len(rows)} requests for {len(free)} free rows.")
         rounds, first = self.rounds, {}
         with self._kernels(), self._part("prefill"):
             for group in self._groups(rows):
-                ids, mask = left_padded(group, min_width=self.span + 1)  # γ + 2: a drafter's first context
-                mask = mask.long()
                 slots, free = free[: len(group)], free[len(group):]
                 self._set_sampling(slots, group)
-                if not self.started:  # the first prefill sets up every row; rows without a request stop at once
+                if self.started and len(group) < self.eager_admission_from:  # in chunks, one request at a time
+                    for slot, row in zip(slots, group):
+                        self.admission.admit(slot, torch.tensor(row.ids), self._first_tokens([row]))
+                elif self.started:  # one eager forward for the whole group
+                    ids, mask = left_padded(group, min_width=self.span + 1)  # γ + 2: a drafter's first context
+                    rounds.admit(slots, ids, mask.long(), self._first_tokens(group))
+                else:  # the first prefill sets up every row; rows without a request stop at once
+                    ids, mask = left_padded(group, min_width=self.span + 1)
+                    mask = mask.long()
                     spare = [0] * (self.batch_size - len(group))
                     choose = self._first_tokens(group + [group[0]] * len(spare))
                     rounds.prefill(torch.cat([ids, ids[spare]]), torch.cat([mask, mask[spare]]), choose)
                     rounds.active[len(group):] = 0
                     self.started = True
-                else:
-                    rounds.admit(slots, ids, mask, self._first_tokens(group))
                 for slot, row, token in zip(slots, group, rounds.record[slots, 1].tolist()):
                     self.owner[slot] = row
                     self.pending[slot] = self.span  # a prefill leaves its last γ + 1 features pending
@@ -164,7 +179,7 @@ class StaticRows:
     def warm_up(self, widths: Iterable[int] | None = None, sampled: bool = False, progress: bool = False) -> int:
         """Runs, before the first request, every graph that rounds verifying `widths` drafts (default: the policy's)
         can run: per row prefix, each width's greedy round, with `sampled` its two sampled rounds (with and without
-        top-k / top-p), and the flush when plain rounds are among `widths`. With `compile`, nothing compiles while
+        top-k / top-p), the flush when plain rounds are among `widths`, and the admission chunk. With `compile`, nothing compiles while
         requests are served afterwards. The rounds run on free rows, whose results are dropped. Returns the number
         of graphs run."""
         if self.rows:
@@ -185,7 +200,8 @@ class StaticRows:
         kinds = ["greedy", *(["sampled", "filtered"] if sampled else [])]
         graphs = [(size, kind, width) for size in sizes for width in widths for kind in kinds]
         flushes = sizes if 0 in widths and self.rounds.drafter is not None else []
-        with self._kernels(), tqdm(total=len(graphs) + len(flushes), desc="round graphs", disable=not progress) as bar:
+        with self._kernels(), tqdm(total=len(graphs) + len(flushes) + 1, desc="round graphs",
+                                   disable=not progress) as bar:
             for size, kind, width in graphs:
                 rounds = self.rounds.prefix(size)
                 with self._tap(rounds):
@@ -198,8 +214,10 @@ class StaticRows:
                 with self._tap(self.rounds.prefix(size)):
                     self.rounds.prefix(size).flush()
                 bar.update()
+            self.admission.prefill(torch.zeros(1, dtype=torch.long))  # the admission chunk (its one-row caches only)
+            bar.update()
         self.pending = [0] * self.batch_size
-        return len(graphs) + len(flushes)
+        return len(graphs) + len(flushes) + 1
 
     def _first_tokens(self, rows: list[Row]):
         if self.sampler is None:

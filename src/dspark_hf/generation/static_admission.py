@@ -1,0 +1,120 @@
+"""Admitting a request into a running `StaticBatchRounds` in fixed-size chunks, each chunk one graph.
+
+`StaticBatchRounds.admit` prefills new prompts with an eager forward of the target (and one of the drafter) on
+temporary caches. On a GPU an eager forward of a small model is bound by kernel launches: on the H200 the 50M
+fixture's admission cost about 10 ms per request without a drafter and 16 ms with one, against 1-2 ms for a
+compiled round, so at 16 concurrent requests admissions took about two thirds of the serving time
+(`benchmarks/results/serving_static_h200.json`).
+
+`ChunkedAdmission` runs the prompt instead as ⌈W / chunk⌉ forwards of `chunk` tokens on a one-row copy of the rounds'
+caches (the target's, and the drafter's context), every chunk the same function of the same shapes, so with
+`compile` it is one CUDA graph whatever the prompt's length. The prompt is left-padded to a multiple of `chunk`;
+the row's K/V then go into the admitted row of the running batch (W columns per layer) and its state is set as
+`admit` sets it. Each chunk's queries see the columns before them (causal), so the caches equal those of one forward
+over the prompt up to the kernels' rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import nullcontext
+
+import torch
+
+from ..tensor_ops import argmax_last
+from .static_batch import StaticBatchRounds
+
+
+class ChunkedAdmission:
+    """Prefills one prompt at a time into a row of `rounds` (already running: after `prefill`) by `chunk`-token
+    forwards on a one-row `StaticBatchRounds` of the same capacity and compile options. A prompt of L tokens takes
+    `padded_width(L)` columns of its row."""
+
+    def __init__(self, rounds: StaticBatchRounds, chunk: int = 64):
+        if chunk < rounds.width:
+            raise ValueError(f"chunk must hold a round's {rounds.width} tokens (γ + 1), got {chunk}.")
+        self.rounds, self.chunk = rounds, chunk
+        self.scratch = StaticBatchRounds(rounds.target, rounds.drafter, 1, rounds.capacity,
+                                         rounds.compile_options or False)
+        device = rounds.anchor.device
+        self.ids = torch.zeros(1, chunk, dtype=torch.long, device=device)  # the chunk's tokens
+        self.first_column = torch.zeros(1, dtype=torch.long, device=device)  # its first column
+        self.last_logits: torch.Tensor | None = None  # [1, V]: the last chunk's last logits (float32)
+        self.tail: torch.Tensor | None = None  # [1, γ + 1, K·H]: the last chunk's last γ + 1 target features
+        if rounds.compile_options is not None:
+            for buffer in (self.ids, self.first_column):
+                torch._dynamo.mark_static_address(buffer)
+        self._forward = self.scratch._compiled(self._chunk_forward)
+
+    def padded_width(self, prompt_length: int) -> int:
+        """Columns a prompt of `prompt_length` tokens takes: at least γ + 2 (a drafter's first context), rounded up to
+        a multiple of `chunk`."""
+        return -(-max(prompt_length, self.rounds.width + 1) // self.chunk) * self.chunk
+
+    def _chunk_forward(self) -> None:
+        """The target over `ids` at columns `first_column` .. + chunk - 1 of the one-row caches (the drafter's context
+        K/V of those columns too); its last logits and features into `last_logits` / `tail`."""
+        scratch = self.scratch
+        logits, features = scratch._target_forward(self.ids, self.first_column, logits_to_keep=1)
+        self.last_logits.copy_(logits[:, -1])
+        if scratch.drafter is not None:
+            scratch._write_drafter_context(features, self.first_column, self.first_column + self.chunk)
+            self.tail.copy_(features[:, -scratch.width:])
+
+    def _allocate(self) -> None:
+        """The output buffers, shaped by an eager target forward (the vocabulary and the feature width), then one
+        eager chunk, so that the caches' lazy initialisation happens outside any graph."""
+        scratch = self.scratch
+        with scratch.tap if scratch.tap is not None else nullcontext():
+            logits, features = scratch._target_forward(self.ids, self.first_column, logits_to_keep=1)
+            self.last_logits = logits[:, -1].clone()
+            if features is not None:
+                self.tail = features[:, -scratch.width:].clone()
+            if scratch.compile_options is not None:
+                for buffer in (self.last_logits, self.tail):
+                    if buffer is not None:
+                        torch._dynamo.mark_static_address(buffer)
+            self._chunk_forward()
+
+    def prefill(self, input_ids: torch.LongTensor) -> int:
+        """Runs the prompt `input_ids` [L] through the one-row caches in chunks; returns its padded width W."""
+        scratch = self.scratch
+        width = self.padded_width(input_ids.shape[0])
+        padded = torch.zeros(1, width, dtype=torch.long, device=self.ids.device)
+        padded[0, width - input_ids.shape[0]:] = input_ids.to(self.ids.device)
+        scratch.pad.fill_(width - input_ids.shape[0])
+        if self.last_logits is None:
+            self._allocate()
+        with scratch.tap if scratch.tap is not None else nullcontext():
+            for start in range(0, width, self.chunk):
+                self.ids.copy_(padded[:, start: start + self.chunk])
+                self.first_column.fill_(start)
+                self._forward()
+        return width
+
+    @torch.no_grad()
+    def admit(self, slot: int, input_ids: torch.LongTensor,
+              choose: Callable[[torch.Tensor], torch.LongTensor] = argmax_last) -> None:
+        """Prefills the prompt `input_ids` [L] into row `slot` of `rounds` (which has stopped; the others keep their
+        state); `choose` picks its first token from the last logits [1, V] (into `record`)."""
+        rounds, scratch = self.rounds, self.scratch
+        if not rounds.target_cache.layers[0].is_initialized:
+            raise RuntimeError("admit() refills rows of a running batch: call prefill() first.")
+        width = self.prefill(input_ids)
+        first = choose(self.last_logits)
+        caches = [(rounds.target_cache, scratch.target_cache)]
+        if rounds.drafter is not None:
+            caches.append((rounds.drafter_cache, scratch.drafter_cache))
+        for cache, written in caches:
+            for layer, source in zip(cache.layers, written.layers):
+                layer.keys[slot, :, :width] = source.keys[0, :, :width]
+                layer.values[slot, :, :width] = source.values[0, :, :width]
+        rounds.pad[slot] = scratch.pad[0]
+        rounds.anchor[slot] = first[0]
+        rounds.column[slot] = width
+        rounds.active[slot] = 1
+        rounds.record[slot] = 0
+        rounds.record[slot, 1] = first[0]
+        if rounds.drafter is not None:  # as after `admit`: the last γ + 1 columns' features are the next round's
+            rounds.features[slot, : rounds.width] = self.tail[0].to(rounds.features.dtype)
+            rounds.context_column[slot] = width - rounds.width
