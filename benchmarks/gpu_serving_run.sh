@@ -22,10 +22,14 @@
 #     --concurrency 1 16 256 --out $OUT/serving_static_h200.json
 # 2026-12-02 (tenth session): --dynamic-batch compiled slower on the GPU (26-39 s a graph); the split-KV attention
 #     bug that cost the static engine its drafts at c = 1 is fixed; c = 1 and 2 re-run (serving_static_custom_op_*.log).
-# Next (two calls, about 500 s each; one size of graphs per concurrency, 6 graphs of 10-13 s, longer runs):
+# 2026-12-02 (eleventh session): the whole sweep, now serving_static_h200.json (the first run is
+#     serving_static_first_run_h200.json), in two calls of about 500 s (one size of graphs per concurrency):
 #     SERVING_TIMEOUT=560 ... --model code50m --static --graph-sizes-per-cell 1 --max-new-tokens 64 --repeats 3
-#     --requests-per-slot 4 --no-paged --concurrency 1 2 4 8 16 --out $OUT/static_sweep.json   (then 32 64 128 256,
-#     carrying static_sweep.json back in as --out; a name other than serving_static_h200.json, which is copied below)
+#     --requests-per-slot 4 --no-paged --concurrency 1 2 4 8 16 --out $OUT/static_sweep.json, then --repeats 2
+#     --requests-per-slot 2 --concurrency 32 64 128 256 with static_sweep.json carried back in as --out (a name
+#     other than serving_static_h200.json, which is copied below); then c = 16 alone with chunked admission
+#     (serving_static_chunked_admission_h200.json, 162 s).
+# Next: the same two calls with chunked admission (library ab6e78b or later).
 set -uo pipefail
 # SERVING_TIMEOUT=S stops the benchmark after S seconds (results are saved after every concurrency); 0: no limit.
 export PYTHONPATH=${DSPARK_SRC:-src}
