@@ -479,6 +479,15 @@ def test_static_engine_drafts_from_each_requests_whole_context_across_plain_roun
     assert admissions["chunked"] and admissions["eager"]
 
 
+def test_chunked_admission_pads_prompts_to_whole_chunks_and_refuses_chunks_shorter_than_a_round(models):
+    target, drafter = models
+    rounds = DSparkEngine(target, drafter, max_batch_size=2, max_model_len=64, static=True).runner.rounds
+    with pytest.raises(ValueError, match="chunk must hold"):
+        ChunkedAdmission(rounds, chunk=rounds.width - 1)
+    admission = ChunkedAdmission(rounds, chunk=16)  # at least γ + 2 columns: a drafter's first context
+    assert [admission.padded_width(length) for length in (1, rounds.width + 1, 16, 17, 33)] == [16, 16, 16, 32, 48]
+
+
 def test_static_engine_compiles_every_graph_at_warm_up_and_none_while_serving():
     """fullgraph=True: `warm_up(widths, sampled=True)` compiles each graph that rounds of those widths can run once:
     per row prefix (all rows, the first alone), plain rounds and γ drafts, greedy and sampled with and without
