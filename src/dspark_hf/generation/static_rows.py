@@ -75,7 +75,8 @@ class StaticRows:
         capacity = max_model_len + span + self.reach + admission_chunk  # (+ a prompt's padding to whole chunks)
 
         def build() -> tuple[StaticBatchRounds, ChunkedAdmission]:
-            rounds = StaticBatchRounds(target, drafter, max_batch_size, capacity, compile, context_window=window or None)
+            rounds = StaticBatchRounds(target, drafter, max_batch_size, capacity, compile,
+                                       context_window=window or None)
             return rounds, ChunkedAdmission(rounds, admission_chunk)
 
         with fast_kernels(target, drafter, attention, fuse_projections, build) as (rounds, admission):
@@ -156,17 +157,17 @@ class StaticRows:
                 if self.started and len(group) < self.eager_admission_from:  # in chunks, one request at a time
                     for slot, row in zip(slots, group):
                         self.admission.admit(slot, torch.tensor(row.ids), self._first_tokens([row]))
-                elif self.started:  # one eager forward for the whole group
+                else:
                     ids, mask = left_padded(group, min_width=self.span + 1)  # γ + 2: a drafter's first context
-                    rounds.admit(slots, ids, mask.long(), self._first_tokens(group))
-                else:  # the first prefill sets up every row; rows without a request stop at once
-                    ids, mask = left_padded(group, min_width=self.span + 1)
                     mask = mask.long()
-                    spare = [0] * (self.batch_size - len(group))
-                    choose = self._first_tokens(group + [group[0]] * len(spare))
-                    rounds.prefill(torch.cat([ids, ids[spare]]), torch.cat([mask, mask[spare]]), choose)
-                    rounds.active[len(group):] = 0
-                    self.started = True
+                    if self.started:  # one eager forward for the whole group
+                        rounds.admit(slots, ids, mask, self._first_tokens(group))
+                    else:  # the first prefill sets up every row; rows without a request stop at once
+                        spare = [0] * (self.batch_size - len(group))
+                        choose = self._first_tokens(group + [group[0]] * len(spare))
+                        rounds.prefill(torch.cat([ids, ids[spare]]), torch.cat([mask, mask[spare]]), choose)
+                        rounds.active[len(group):] = 0
+                        self.started = True
                 for slot, row, token in zip(slots, group, rounds.record[slots, 1].tolist()):
                     self.owner[slot] = row
                     self.pending[slot] = self.span  # a prefill leaves its last γ + 1 features pending
@@ -179,9 +180,9 @@ class StaticRows:
     def warm_up(self, widths: Iterable[int] | None = None, sampled: bool = False, progress: bool = False) -> int:
         """Runs, before the first request, every graph that rounds verifying `widths` drafts (default: the policy's)
         can run: per row prefix, each width's greedy round, with `sampled` its two sampled rounds (with and without
-        top-k / top-p), the flush when plain rounds are among `widths`, and the admission chunk. With `compile`, nothing compiles while
-        requests are served afterwards. The rounds run on free rows, whose results are dropped. Returns the number
-        of graphs run."""
+        top-k / top-p), the flush when plain rounds are among `widths`, and the admission chunk. With `compile`,
+        nothing compiles while requests are served afterwards. The rounds run on free rows, whose results are
+        dropped. Returns the number of graphs run."""
         if self.rows:
             raise RuntimeError("warm_up() runs before the first request.")
         if sampled and self.sampler is None:

@@ -177,7 +177,8 @@ class DSparkEngine:
         profile_rounds: time each round's parts (`round_profile()`); synchronises the device at every part boundary,
             so it slows the engine down a little.
         static: run the rows on static caches (`generation.static_rows.StaticRows`): a request takes a free row of
-            a `max_batch_size` × `max_model_len` cache (give `max_model_len`), every round verifies the same number
+            a `max_batch_size` × `max_model_len` cache (give `max_model_len`; a request joins in 64-token chunks,
+            one CUDA graph, `generation.static_admission.ChunkedAdmission`), every round verifies the same number
             of drafts of every row in one forward, one CUDA graph per number with `static_compile` (default: on
             CUDA), greedy or, when any running request samples, sampled. Policies: "none", "fixed" (all γ drafts,
             or `gamma`), "hardware_aware": each round, plain or 1, 3 or γ verified drafts, whichever commits the
@@ -373,8 +374,8 @@ class DSparkEngine:
 
     def warm_up(self, widths: Iterable[int] | None = None, sampled: bool = False, progress: bool = True) -> int:
         """Static engine: before the first request, runs each round graph that rounds verifying `widths` drafts
-        (default: the policy's) can need, per row prefix, greedy (and with `sampled`, sampled), and the flush
-        (`StaticRows.warm_up`), so that with `static_compile` no compilation stalls serving later. Returns the number
+        (default: the policy's) can need, per row prefix, greedy (and with `sampled`, sampled), the flush and the
+        admission chunk (`StaticRows.warm_up`), so that with `static_compile` no compilation stalls serving later. Returns the number
         of graphs run; the eager engine has none (0)."""
         if not isinstance(self.runner, StaticRows):
             return 0
