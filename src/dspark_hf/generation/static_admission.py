@@ -10,8 +10,8 @@ compiled round, so at 16 concurrent requests admissions took about two thirds of
 caches (the target's, and the drafter's context), every chunk the same function of the same shapes, so with
 `compile` it is one CUDA graph whatever the prompt's length. The prompt is left-padded to a multiple of `chunk`;
 the row's K/V then go into the admitted row of the running batch (W columns per layer) and its state is set as
-`admit` sets it. Each chunk's queries see the columns before them (causal), so the caches equal those of one forward
-over the prompt up to the kernels' rounding.
+`admit` sets it (`StaticBatchRounds.start_rows`). Each chunk's queries see the columns before them (causal), so the
+caches equal those of one forward over the prompt up to the kernels' rounding.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from contextlib import nullcontext
 import torch
 
 from ..tensor_ops import argmax_last
-from .static_batch import StaticBatchRounds
+from .static_batch import StaticBatchRounds, write_rows
 
 
 class ChunkedAdmission:
@@ -101,20 +101,8 @@ class ChunkedAdmission:
         if not rounds.target_cache.layers[0].is_initialized:
             raise RuntimeError("admit() refills rows of a running batch: call prefill() first.")
         width = self.prefill(input_ids)
-        first = choose(self.last_logits)
-        caches = [(rounds.target_cache, scratch.target_cache)]
+        index = torch.tensor([slot], device=rounds.anchor.device)
+        write_rows(rounds.target_cache, scratch.target_cache, index, width)
         if rounds.drafter is not None:
-            caches.append((rounds.drafter_cache, scratch.drafter_cache))
-        for cache, written in caches:
-            for layer, source in zip(cache.layers, written.layers):
-                layer.keys[slot, :, :width] = source.keys[0, :, :width]
-                layer.values[slot, :, :width] = source.values[0, :, :width]
-        rounds.pad[slot] = scratch.pad[0]
-        rounds.anchor[slot] = first[0]
-        rounds.column[slot] = width
-        rounds.active[slot] = 1
-        rounds.record[slot] = 0
-        rounds.record[slot, 1] = first[0]
-        if rounds.drafter is not None:  # as after `admit`: the last γ + 1 columns' features are the next round's
-            rounds.features[slot, : rounds.width] = self.tail[0].to(rounds.features.dtype)
-            rounds.context_column[slot] = width - rounds.width
+            write_rows(rounds.drafter_cache, scratch.drafter_cache, index, width)
+        rounds.start_rows(index, scratch.pad, choose(self.last_logits), width, self.tail)

@@ -101,12 +101,13 @@ class RowStaticCache(Cache):
             layer.cumulative_length.copy_(columns)
 
 
-def _write_rows(cache: RowStaticCache, source: DynamicCache, rows: torch.Tensor) -> None:
-    """Copies `source`'s K/V [k, heads, W, d] per layer into rows `rows` (k of them), columns 0 .. W - 1."""
+def write_rows(cache: RowStaticCache, source: Cache, rows: torch.Tensor, width: int | None = None) -> None:
+    """Copies `source`'s K/V [k, heads, ≥ W, d] per layer, columns 0 .. W - 1 (default W: all of `source`'s), into
+    rows `rows` (k of them) of `cache`."""
     for layer, written in zip(cache.layers, source.layers):
-        width = written.keys.shape[2]
-        layer.keys[rows, :, :width] = written.keys
-        layer.values[rows, :, :width] = written.values
+        columns = written.keys.shape[2] if width is None else width
+        layer.keys[rows, :, :columns] = written.keys[:, :, :columns]
+        layer.values[rows, :, :columns] = written.values[:, :, :columns]
 
 
 def visible_columns(pad: torch.Tensor, first_query: torch.Tensor, queries: int, capacity: int, causal: bool,
@@ -314,25 +315,32 @@ class StaticBatchRounds:
             logits = self.target(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
                                  past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
             features = self.tap.features() if self.tap is not None else None
-        _write_rows(self.target_cache, cache, index)
-        first = choose(logits)
+        write_rows(self.target_cache, cache, index)
         width = input_ids.shape[1]
+        if self.drafter is not None:
+            context = width - self.width  # as in prefill: the last γ + 1 columns' features are the next round's
+            drafter_cache = DynamicCache()
+            block = torch.full((len(slots), 1), self.drafter.config.mask_token_id, dtype=torch.long, device=device)
+            self.drafter(input_ids=block, target_hidden_states=features[:, :context], past_key_values=drafter_cache,
+                         context_position_ids=positions[:, :context], position_ids=(context - pad)[:, None])
+            write_rows(self.drafter_cache, drafter_cache, index)
+            features = features[:, context:]
+        self.start_rows(index, pad, choose(logits), width, features)
+
+    def start_rows(self, index: torch.Tensor, pad: torch.Tensor, first: torch.Tensor, width: int,
+                   features: torch.Tensor | None) -> None:
+        """The state of rows `index` whose prompts (left padding `pad`) fill their first `width` columns of the caches:
+        each row's first token `first` as its anchor and in `record`, and with a drafter the prompt's last γ + 1
+        target features `features` [k, γ + 1, K·H], the next round's (`admit`, `ChunkedAdmission.admit`)."""
         self.pad[index] = pad
         self.anchor[index] = first
         self.column[index] = width
         self.active[index] = 1
         self.record[index] = 0
         self.record[index, 1] = first
-        if self.drafter is None:
-            return
-        context = width - self.width  # as in prefill: the last γ + 1 columns' features are the next round's
-        drafter_cache = DynamicCache()
-        block = torch.full((len(slots), 1), self.drafter.config.mask_token_id, dtype=torch.long, device=device)
-        self.drafter(input_ids=block, target_hidden_states=features[:, :context], past_key_values=drafter_cache,
-                     context_position_ids=positions[:, :context], position_ids=(context - pad)[:, None])
-        _write_rows(self.drafter_cache, drafter_cache, index)
-        self.features[index, : self.width] = features[:, context:].to(self.features.dtype)
-        self.context_column[index] = context
+        if self.drafter is not None:
+            self.features[index, : self.width] = features.to(self.features.dtype)
+            self.context_column[index] = width - self.width
 
     # ------------------------------------------------------------------ rounds
     def _plain_round(self) -> None:

@@ -375,8 +375,8 @@ class DSparkEngine:
     def warm_up(self, widths: Iterable[int] | None = None, sampled: bool = False, progress: bool = True) -> int:
         """Static engine: before the first request, runs each round graph that rounds verifying `widths` drafts
         (default: the policy's) can need, per row prefix, greedy (and with `sampled`, sampled), the flush and the
-        admission chunk (`StaticRows.warm_up`), so that with `static_compile` no compilation stalls serving later. Returns the number
-        of graphs run; the eager engine has none (0)."""
+        admission chunk (`StaticRows.warm_up`), so that with `static_compile` no compilation stalls serving later.
+        Returns the number of graphs run; the eager engine has none (0)."""
         if not isinstance(self.runner, StaticRows):
             return 0
         if self.has_unfinished() or self.running_in_background:
