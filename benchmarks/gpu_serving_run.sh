@@ -22,14 +22,17 @@
 #     --concurrency 1 16 256 --out $OUT/serving_static_h200.json
 # 2026-12-02 (tenth session): --dynamic-batch compiled slower on the GPU (26-39 s a graph); the split-KV attention
 #     bug that cost the static engine its drafts at c = 1 is fixed; c = 1 and 2 re-run (serving_static_custom_op_*.log).
-# 2026-12-02 (eleventh session): the whole sweep, now serving_static_h200.json (the first run is
-#     serving_static_first_run_h200.json), in two calls of about 500 s (one size of graphs per concurrency):
+# 2026-12-02 (eleventh session): the whole sweep with eager admission, in two calls of about 500 s (one size of graphs
+#     per concurrency; now serving_static_eager_admission_h200.json and _code50m_h200.log):
 #     SERVING_TIMEOUT=560 ... --model code50m --static --graph-sizes-per-cell 1 --max-new-tokens 64 --repeats 3
 #     --requests-per-slot 4 --no-paged --concurrency 1 2 4 8 16 --out $OUT/static_sweep.json, then --repeats 2
 #     --requests-per-slot 2 --concurrency 32 64 128 256 with static_sweep.json carried back in as --out (a name
 #     other than serving_static_h200.json, which is copied below); then c = 16 alone with chunked admission
 #     (serving_static_chunked_admission_h200.json, 162 s).
-# Next: the same two calls with chunked admission (library ab6e78b or later).
+# 2026-12-02 (twelfth session): the same sweep with chunked admission (library cb02937), now serving_static_h200.json
+#     and serving_static_sweep_code50m_h200.log, in three calls: c = 1-8 (565 s: the 560 s limit cut c = 16), c =
+#     32-256 (478 s), c = 16 alone (121 s). The static cells then still ran one after another, the hardware-aware
+#     one always last; since then one engine per policy, stepped in turn (--sequential: one after another).
 set -uo pipefail
 # SERVING_TIMEOUT=S stops the benchmark after S seconds (results are saved after every concurrency); 0: no limit.
 export PYTHONPATH=${DSPARK_SRC:-src}

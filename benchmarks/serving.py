@@ -48,17 +48,19 @@ the same from `steady_tokens_per_second`.
 
 `--static` measures `DSparkEngine(static=True)` instead (greedy; policies no_spec, fixed γ ∈ {1, 3, 7} and its
 hardware-aware choice among plain rounds and 1, 3 or 7 verified drafts; no static threshold, no trace replay: its
-rounds are graphs). Its rounds compile once per shape, so each concurrency keeps two engines for all its runs, warm-up
-included: a plain one (no drafter) and a speculative one whose policy is switched between runs
-(`StaticRows.set_policy`), whose hardware-aware chooser lives across that concurrency's runs. Both compile every round
-graph they can run (`DSparkEngine.warm_up`: every row prefix and width, and the flush) before the warm-up run, so that
-no compilation falls into a timed run; each cell records that time (`warm_up_seconds`, of its engine). On the H200 a
-graph takes 10-13 s to compile, and concurrency c has log2(c) + 1 row prefixes: `--graph-sizes-per-cell N` keeps the
-N largest (c, c/2, ...; `static_graph_batch_sizes`), at the price of more free rows in the rounds of a draining batch.
-The cells run one after another (`--sequential` is implied): the speculative policies share one engine. (torch.compile's
-`backend="cudagraphs"`, which would capture the eager kernels and compile faster, fails on the H200 with torch 2.11 at
-the Triton attention kernel's call: `BackendCompilerFailed ... cannot extract sympy expressions from {'part_ptr': ...}`;
-the rounds compile with inductor.)
+rounds are graphs). Its rounds compile once per shape, so each concurrency keeps one engine per policy for all its
+runs, warm-up included (the hardware-aware chooser lives across them). Each engine compiles every round graph it can
+run (`DSparkEngine.warm_up`: every row prefix and width, the flush and the admission chunk) before the warm-up run, so
+that no compilation falls into a timed run; each cell records that time (`warm_up_seconds`). The timed runs are
+interleaved round by round as above (`step_in_turn`; before 2026-12-02 the static cells ran one after another, the
+hardware-aware one always last, with its policies sharing one engine). On the H200 a graph takes 10-20 s to compile
+(a few seconds when inductor's cache holds the same graph from another engine), and concurrency c has log2(c) + 1
+row prefixes: `--graph-sizes-per-cell N` keeps the N largest (c, c/2, ...; `static_graph_batch_sizes`), at the price
+of more free rows in the rounds of a draining batch. Every cell records the garbage collector's pauses within its
+rounds (`gc_ms`, `gc_full`: full collections), since a process that compiled dozens of graphs holds millions of
+Python objects. (torch.compile's `backend="cudagraphs"`, which would capture the eager kernels and compile faster,
+fails on the H200 with torch 2.11 at the Triton attention kernel's call: `BackendCompilerFailed ... cannot extract
+sympy expressions from {'part_ptr': ...}`; the rounds compile with inductor.)
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import gc
 import json
 import statistics
 import sys
@@ -340,6 +343,53 @@ def run_cell(target, drafter, prompts, concurrency: int, setting: dict, args, sp
     return cell_result(engine, handles, seconds, concurrency)
 
 
+class GCPauses:
+    """Seconds Python's garbage collector has paused the process so far (`gc.callbacks`), and full collections."""
+
+    def __init__(self):
+        self.seconds, self.full, self._started = 0.0, 0, 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        self.seconds += time.perf_counter() - self._started
+        self.full += info["generation"] == 2
+
+
+GC_PAUSES = GCPauses()
+
+
+def step_in_turn(engines: dict[str, DSparkEngine], patches: dict | None = None, first: int = 0
+                 ) -> tuple[dict[str, float], dict[str, dict]]:
+    """Steps `engines` (each with its requests queued) in turn one round at a time, starting at the `first`-th and
+    rotating the first from sweep to sweep, until all have finished. Returns each engine's seconds (the sum of its own
+    rounds' wall-clock time, each ending with the device idle) and the garbage collector's pauses within them
+    (`gc_ms`, `gc_full`)."""
+    seconds = dict.fromkeys(engines, 0.0)
+    pauses = {name: dict(gc_ms=0.0, gc_full=0) for name in engines}
+    device = next(iter(engines.values())).target.device
+    order = list(engines)[first % len(engines):] + list(engines)[: first % len(engines)]
+    while order:
+        for name in list(order):
+            engine = engines[name]
+            if not engine.has_unfinished():
+                order.remove(name)
+                continue
+            with patches[name] if patches else contextlib.nullcontext():
+                synchronize(device)
+                gc_seconds, gc_full = GC_PAUSES.seconds, GC_PAUSES.full
+                start = time.perf_counter()
+                engine.step()
+                synchronize(device)
+                seconds[name] += time.perf_counter() - start
+                pauses[name]["gc_ms"] += 1e3 * (GC_PAUSES.seconds - gc_seconds)
+                pauses[name]["gc_full"] += GC_PAUSES.full - gc_full
+        order = order[1:] + order[:1]
+    return seconds, pauses
+
+
 def run_interleaved(target, drafter, prompts, concurrency: int, settings: dict[str, dict], args, sps_table,
                     trace=None, record: str | None = None, round_logs: dict[str, list] | None = None
                     ) -> tuple[dict[str, dict], AcceptanceTrace | None]:
@@ -352,27 +402,12 @@ def run_interleaved(target, drafter, prompts, concurrency: int, settings: dict[s
                for name, setting in settings.items()}
     patches = {name: patch_for(engine, trace, name == record, seed=concurrency) for name, engine in engines.items()}
     handles = {name: add_requests(engine, prompts, concurrency, args) for name, engine in engines.items()}
-    seconds = dict.fromkeys(engines, 0.0)
-    device = target.device
-    order = list(engines)
-    while order:
-        for name in list(order):
-            engine = engines[name]
-            if not engine.has_unfinished():
-                order.remove(name)
-                continue
-            with patches[name]:
-                synchronize(device)
-                start = time.perf_counter()
-                engine.step()
-                synchronize(device)
-                seconds[name] += time.perf_counter() - start
-        order = order[1:] + order[:1]
+    seconds, pauses = step_in_turn(engines, patches)
     recorder = patches.get(record)
     recorded = recorder.trace(prompts) if isinstance(recorder, TraceRecorder) else None
     if round_logs is not None:
         round_logs.update({name: engine.round_log for name, engine in engines.items()})
-    return {name: cell_result(engine, handles[name], seconds[name], concurrency)
+    return {name: cell_result(engine, handles[name], seconds[name], concurrency) | pauses[name]
             for name, engine in engines.items()}, recorded
 
 
@@ -451,55 +486,53 @@ def run_eager_cells(target, drafter, prompts, concurrency: int, chosen: dict[str
 
 
 def run_static_cells(target, drafter, prompts, concurrency: int, names: list[str], args) -> dict[str, list[dict]]:
-    """`--static`: each of `names`' warm-up run, then `--repeats` runs of each, one after another, on two engines kept
-    for this concurrency (see the module docstring)."""
+    """`--static`: one engine per policy, kept for this concurrency; each compiles its graphs (`warm_up`), then a
+    warm-up run and `--repeats` timed runs of all policies, stepped in turn (`step_in_turn`, the first engine rotating
+    from run to run), or with `--sequential` one after another (in a rotating order)."""
     longest = max(map(len, prompts)) + max(request_lengths(concurrency * args.requests_per_slot, args))
     # --dynamic-batch: dynamo's automatic dynamic shapes: a width's first two row prefixes compile (the second with a
     # symbolic batch size, which the larger ones reuse), and CUDA graphs are still recorded per prefix
     compile_rounds = dict(mode="reduce-overhead", dynamic=None) if args.dynamic_batch else None
     graph_sizes = {max(1, concurrency >> k) for k in range(args.graph_sizes_per_cell)} or None
-    engines = {kind: DSparkEngine(target, drafter if kind == "speculative" else None, static=True,
-                                  policy="hardware_aware" if kind == "speculative" else "none",
-                                  max_batch_size=concurrency, max_model_len=longest + 8, static_compile=compile_rounds,
-                                  admission_batch=min(args.admission_batch, concurrency),
-                                  static_graph_batch_sizes=graph_sizes)
-               for kind in ("plain", "speculative")}
-    chooser = engines["speculative"].runner.chooser
-    warm_up_seconds = {}
-    for kind, engine in engines.items():  # every graph of every policy's widths, before any run
+    engines, warm_up_seconds = {}, {}
+    for name in names:  # every graph of every policy, before any run
+        fixed = name.startswith("fixed_")
+        engines[name] = DSparkEngine(
+            target, drafter if name != "no_spec" else None, static=True,
+            policy="fixed" if fixed else "none" if name == "no_spec" else "hardware_aware",
+            gamma=int(name.removeprefix("fixed_")) if fixed else None, max_batch_size=concurrency,
+            max_model_len=longest + 8, static_compile=compile_rounds,
+            admission_batch=min(args.admission_batch, concurrency), static_graph_batch_sizes=graph_sizes)
         started = time.perf_counter()
-        engine.warm_up(None if kind == "plain" else sorted({0, 1, 3, drafter.config.num_draft_slots}))
-        warm_up_seconds[kind] = time.perf_counter() - started
-
-    def engine_for(name: str) -> DSparkEngine:
-        if name == "no_spec":
-            return engines["plain"]
-        engine = engines["speculative"]
-        if name == "hardware_aware":
-            engine.runner.set_policy(chooser=chooser)
-        else:
-            engine.runner.set_policy(verify=int(name.removeprefix("fixed_")))
-        return engine
+        engines[name].warm_up()
+        warm_up_seconds[name] = time.perf_counter() - started
 
     runs: dict[str, list[dict]] = {name: [] for name in names}
-    for repeat in range(-1, args.repeats):  # -1: the warm-up run (compiles this concurrency's graphs)
-        plain_tokens = None
-        for name in names:
-            engine = engine_for(name)
+    for repeat in range(-1, args.repeats):  # -1: the warm-up run
+        handles = {name: add_requests(engine, prompts, concurrency, warm_up_args(args) if repeat < 0 else args)
+                   for name, engine in engines.items()}
+        for engine in engines.values():
             engine.round_log.clear()
-            handles, seconds = drive(engine, prompts, concurrency, warm_up_args(args) if repeat < 0 else args)
-            if repeat < 0:
-                continue
-            cell = cell_result(engine, handles, seconds, concurrency)
-            cell["warm_up_seconds"] = warm_up_seconds["plain" if name == "no_spec" else "speculative"]
-            tokens = [handle.tokens for handle in handles]
-            if name == "no_spec":
-                plain_tokens = tokens
-            elif plain_tokens is not None:  # (bf16: compiled graphs of other shapes may break argmax ties otherwise)
-                cell["matched_no_spec"] = statistics.fmean(a == b for a, b in zip(tokens, plain_tokens))
-            if name == "hardware_aware":
+        if args.sequential:
+            seconds, pauses = {}, {}
+            for step in range(len(names)):
+                name = names[(repeat + step) % len(names)]
+                part_seconds, part_pauses = step_in_turn({name: engines[name]})
+                seconds |= part_seconds
+                pauses |= part_pauses
+        else:
+            seconds, pauses = step_in_turn(engines, first=repeat)
+        if repeat < 0:
+            continue
+        tokens = {name: [handle.tokens for handle in handles[name]] for name in names}
+        for name, engine in engines.items():
+            cell = cell_result(engine, handles[name], seconds[name], concurrency) | pauses[name]
+            cell["warm_up_seconds"] = warm_up_seconds[name]
+            if name != "no_spec" and "no_spec" in tokens:  # (bf16: graphs of other shapes may break argmax ties)
+                cell["matched_no_spec"] = statistics.fmean(a == b for a, b in zip(tokens[name], tokens["no_spec"]))
+            if engine.runner.chooser is not None:
                 cell["chooser"] = {str(rows): {str(width): times for width, times in widths.items()}
-                                   for rows, widths in chooser.summary().items()}
+                                   for rows, widths in engine.runner.chooser.summary().items()}
             runs[name].append(cell)
     return runs
 
@@ -653,7 +686,7 @@ def main() -> None:
             settings=dict(dtype="float32" if args.model == "smoke" else args.dtype, max_new_tokens=args.max_new_tokens,
                           temperature=0.0, ignore_eos=True, threshold=args.threshold, concurrency=args.concurrency,
                           requests_per_slot=args.requests_per_slot, repeats=args.repeats,
-                          protocol="sequential" if args.sequential or args.static else "interleaved",
+                          protocol="sequential" if args.sequential else "interleaved",
                           engine=static_engine_label(args) if args.static else "eager",
                           length_spread=args.length_spread,
                           prompts="random ids" if args.model == "smoke" else "HumanEval (code50m tokenizer)",

@@ -88,14 +88,15 @@ def test_interleaved_cells_replay_a_trace_per_engine(models):
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("graph_sizes_per_cell", [0, 1])
-def test_static_cells_run_every_policy_on_two_kept_engines(models, graph_sizes_per_cell):
-    """`--static`: each policy's runs (warm-up first) on the concurrency's two engines; fixed γ verifies γ drafts per
-    round, no speculation none, the hardware-aware chooser any of its widths, and every request gets its length.
-    `--graph-sizes-per-cell 1`: every round runs all the concurrency's rows."""
+@pytest.mark.parametrize("graph_sizes_per_cell, sequential", [(0, False), (1, True)])
+def test_static_cells_run_every_policy_on_its_own_engine(models, graph_sizes_per_cell, sequential):
+    """`--static`: each policy's runs (warm-up first) on its own engine kept for the concurrency, stepped in turn (or
+    one after another); fixed γ verifies γ drafts per round, no speculation none, the hardware-aware chooser any of
+    its widths, and every request gets its length. `--graph-sizes-per-cell 1`: every round runs all the
+    concurrency's rows."""
     target, drafter, prompts = models
     args = argparse.Namespace(**vars(ARGS), repeats=2, dynamic_batch=False, admission_batch=1,  # (CPU: no compile)
-                              graph_sizes_per_cell=graph_sizes_per_cell)
+                              graph_sizes_per_cell=graph_sizes_per_cell, sequential=sequential)
     names = ["no_spec", "fixed_1", "fixed_3", "fixed_7", "hardware_aware"]
     runs = serving.run_static_cells(target, drafter, prompts, 2, names, args)
     lengths = serving.request_lengths(4, ARGS)
@@ -104,6 +105,8 @@ def test_static_cells_run_every_policy_on_two_kept_engines(models, graph_sizes_p
         for cell in runs[name]:
             assert cell["generated_tokens"] == sum(lengths) and cell["tokens_per_second"] > 0
             assert cell["warm_up_seconds"] > 0  # every graph ran before the runs
+            assert cell["gc_ms"] >= 0 and cell["gc_full"] >= 0
+            assert ("chooser" in cell) == (name == "hardware_aware")
             widths = {int(k) for k in cell["verify_length_histogram"]}
             expected = {"no_spec": {0}, "hardware_aware": {0, 1, 3, 7}}.get(name) or {int(name.split("_")[1])}
             assert widths <= expected and widths
