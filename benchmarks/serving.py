@@ -502,7 +502,8 @@ def run_static_cells(target, drafter, prompts, concurrency: int, names: list[str
             policy="fixed" if fixed else "none" if name == "no_spec" else "hardware_aware",
             gamma=int(name.removeprefix("fixed_")) if fixed else None, max_batch_size=concurrency,
             max_model_len=longest + 8, static_compile=compile_rounds,
-            admission_batch=min(args.admission_batch, concurrency), static_graph_batch_sizes=graph_sizes)
+            admission_batch=min(args.admission_batch, concurrency), static_graph_batch_sizes=graph_sizes,
+            static_admission_rows=min(args.admission_rows, concurrency))
         started = time.perf_counter()
         engines[name].warm_up()
         warm_up_seconds[name] = time.perf_counter() - started
@@ -542,7 +543,7 @@ def static_engine_label(args: argparse.Namespace) -> str:
     prefixes = (f"the {args.graph_sizes_per_cell} largest of c, c/2, ... rows" if args.graph_sizes_per_cell
                 else "power-of-two row prefixes")
     return (f"static (DSparkEngine(static=True), inductor, {shapes}, {prefixes}, "
-            f"admission_batch {args.admission_batch})")
+            f"admission_batch {args.admission_batch}, admission_rows {args.admission_rows})")
 
 
 # ---------------------------------------------------------------------------------------------------- report
@@ -645,6 +646,9 @@ def main() -> None:
     parser.add_argument("--admission-batch", type=int, default=1,
                         help="--static: DSparkEngine's admission_batch (waiting requests join once this many rows are "
                              "free; capped at the concurrency)")
+    parser.add_argument("--admission-rows", type=int, default=1,
+                        help="--static: DSparkEngine's static_admission_rows (requests joining together run their "
+                             "admission chunks as one graph of this many rows; capped at the concurrency)")
     parser.add_argument("--out", help="JSON path (default benchmarks/results/serving_h200.json, "
                         "serving_static_h200.json with --static; a temp dir for smoke)")
     args = parser.parse_args()

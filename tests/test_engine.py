@@ -433,14 +433,14 @@ def test_static_engine_drafts_from_each_requests_whole_context_across_plain_roun
     widths and requests joining finished ones' rows, every drafting round proposes, for every request, what the
     drafter proposes given its whole committed context (a random drafter: its drafts depend on all of it), and after
     every round each request's row of the drafter cache holds exactly its context's K/V. Markov heads of each kind,
-    and none (a DFlash drafter). Admissions alternate between chunks of γ + 2 tokens (longer prompts take several)
-    and one eager forward."""
+    and none (a DFlash drafter). Admissions alternate between chunks of γ + 2 tokens (longer prompts take several;
+    two requests at once when two join) and one eager forward."""
     target, _ = models
     drafter = tiny_drafter(target, block_size=5, seed=3, **head)
     engine = DSparkEngine(target, drafter, max_batch_size=3, max_model_len=64, static=True, policy="hardware_aware",
-                          default_sampling={"temperature": 0})
+                          admission_batch=2, default_sampling={"temperature": 0})  # (requests join in pairs)
     runner = engine.runner
-    runner.admission = ChunkedAdmission(runner.rounds, chunk=runner.rounds.width + 1)
+    runner.admission = ChunkedAdmission(runner.rounds, chunk=runner.rounds.width + 1, rows=2)
     add, modes = runner.add, itertools.cycle([1, 64])  # every group in one eager forward / every request in chunks
 
     def alternating_add(rows):
@@ -448,10 +448,11 @@ def test_static_engine_drafts_from_each_requests_whole_context_across_plain_roun
         return add(rows)
 
     runner.add = alternating_add
-    admissions = {"chunked": 0, "eager": 0}
+    admissions = {"chunked": 0, "eager": 0, "chunked_pairs": 0}
     for name, owner in (("chunked", runner.admission), ("eager", runner.rounds)):
         def counted(*args, _admit=owner.admit, _name=name):
             admissions[_name] += 1
+            admissions["chunked_pairs"] += _name == "chunked" and len(args[0]) == 2
             return _admit(*args)
         monkeypatch.setattr(owner, "admit", counted)
     runner.chooser = RandomWidths(runner.chooser.widths, seed=5, plain_share=0.7)  # runs of plain rounds
@@ -476,7 +477,7 @@ def test_static_engine_drafts_from_each_requests_whole_context_across_plain_roun
     serve_exactly(engine, target, rng, 7, 12, (8, 30))
     plain = [entry for entry in engine.round_log if not entry["speculative"]]
     assert len(checked) > 10 and len(plain) > 5 and flushes
-    assert admissions["chunked"] and admissions["eager"]
+    assert admissions["chunked"] and admissions["eager"] and admissions["chunked_pairs"]
 
 
 def test_chunked_admission_pads_prompts_to_whole_chunks_and_refuses_chunks_shorter_than_a_round(models):
@@ -543,8 +544,9 @@ def test_static_engine_runs_only_the_graph_batch_sizes_it_is_given(models):
         with pytest.raises(ValueError, match="graph_batch_sizes must lie in"):
             DSparkEngine(target, drafter, max_batch_size=4, max_model_len=64, static=True,
                          static_graph_batch_sizes=sizes)
-    with pytest.raises(ValueError, match="applies to DSparkEngine.static=True"):
-        DSparkEngine(target, drafter, max_batch_size=4, static_graph_batch_sizes=(2,))
+    for option in (dict(static_graph_batch_sizes=(2,)), dict(static_admission_rows=2)):
+        with pytest.raises(ValueError, match="apply to DSparkEngine.static=True"):
+            DSparkEngine(target, drafter, max_batch_size=4, **option)
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])

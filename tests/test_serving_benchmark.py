@@ -88,15 +88,16 @@ def test_interleaved_cells_replay_a_trace_per_engine(models):
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("graph_sizes_per_cell, sequential", [(0, False), (1, True)])
-def test_static_cells_run_every_policy_on_its_own_engine(models, graph_sizes_per_cell, sequential):
+@pytest.mark.parametrize("graph_sizes_per_cell, sequential, admission_rows", [(0, False, 1), (1, True, 2)])
+def test_static_cells_run_every_policy_on_its_own_engine(models, graph_sizes_per_cell, sequential, admission_rows):
     """`--static`: each policy's runs (warm-up first) on its own engine kept for the concurrency, stepped in turn (or
     one after another); fixed γ verifies γ drafts per round, no speculation none, the hardware-aware chooser any of
     its widths, and every request gets its length. `--graph-sizes-per-cell 1`: every round runs all the
-    concurrency's rows."""
+    concurrency's rows; `--admission-rows 2`: requests joining together share their admission chunks."""
     target, drafter, prompts = models
     args = argparse.Namespace(**vars(ARGS), repeats=2, dynamic_batch=False, admission_batch=1,  # (CPU: no compile)
-                              graph_sizes_per_cell=graph_sizes_per_cell, sequential=sequential)
+                              graph_sizes_per_cell=graph_sizes_per_cell, sequential=sequential,
+                              admission_rows=admission_rows)
     names = ["no_spec", "fixed_1", "fixed_3", "fixed_7", "hardware_aware"]
     runs = serving.run_static_cells(target, drafter, prompts, 2, names, args)
     lengths = serving.request_lengths(4, ARGS)

@@ -1,17 +1,19 @@
-"""Admitting a request into a running `StaticBatchRounds` in fixed-size chunks, each chunk one graph.
+"""Admitting requests into a running `StaticBatchRounds` in fixed-size chunks, each chunk one graph.
 
 `StaticBatchRounds.admit` prefills new prompts with an eager forward of the target (and one of the drafter) on
 temporary caches. On a GPU an eager forward of a small model is bound by kernel launches: on the H200 the 50M
 fixture's admission cost about 10 ms per request without a drafter and 16 ms with one, against 1-2 ms for a
 compiled round, so at 16 concurrent requests admissions took about two thirds of the serving time
-(`benchmarks/results/serving_static_h200.json`).
+(`benchmarks/results/serving_static_eager_admission_h200.json`).
 
-`ChunkedAdmission` runs the prompt instead as ⌈W / chunk⌉ forwards of `chunk` tokens on a one-row copy of the rounds'
-caches (the target's, and the drafter's context), every chunk the same function of the same shapes, so with
-`compile` it is one CUDA graph whatever the prompt's length. The prompt is left-padded to a multiple of `chunk`;
-the row's K/V then go into the admitted row of the running batch (W columns per layer) and its state is set as
-`admit` sets it (`StaticBatchRounds.start_rows`). Each chunk's queries see the columns before them (causal), so the
-caches equal those of one forward over the prompt up to the kernels' rounding.
+`ChunkedAdmission` runs the prompts instead as ⌈W / chunk⌉ forwards of `chunk` tokens on a copy of the rounds'
+caches with `rows` rows (the target's, and the drafter's context), every chunk the same function of the same shapes,
+so with `compile` it is one CUDA graph whatever the prompts' lengths. Up to `rows` prompts join at once, each
+left-padded to the longest's multiple of `chunk` (the scratch rows no prompt takes repeat the first one); their K/V
+then go into the admitted rows of the running batch (W columns per layer) and their state is set as `admit` sets it
+(`StaticBatchRounds.start_rows`). Each chunk's queries see the columns before them (causal), so the caches equal
+those of one forward over the prompt up to the kernels' rounding. A small model's chunk is bound by kernel launches,
+so a chunk of several rows costs about what one row's does.
 """
 
 from __future__ import annotations
@@ -26,21 +28,23 @@ from .static_batch import StaticBatchRounds, write_rows
 
 
 class ChunkedAdmission:
-    """Prefills one prompt at a time into a row of `rounds` (already running: after `prefill`) by `chunk`-token
-    forwards on a one-row `StaticBatchRounds` of the same capacity and compile options. A prompt of L tokens takes
-    `padded_width(L)` columns of its row."""
+    """Prefills up to `rows` prompts at a time into rows of `rounds` (already running: after `prefill`) by
+    `chunk`-token forwards on a `StaticBatchRounds` of `rows` rows and the same capacity and compile options. Prompts
+    whose longest has L tokens take `padded_width(L)` columns of their rows."""
 
-    def __init__(self, rounds: StaticBatchRounds, chunk: int = 64):
+    def __init__(self, rounds: StaticBatchRounds, chunk: int = 64, rows: int = 1):
         if chunk < rounds.width:
             raise ValueError(f"chunk must hold a round's {rounds.width} tokens (γ + 1), got {chunk}.")
-        self.rounds, self.chunk = rounds, chunk
-        self.scratch = StaticBatchRounds(rounds.target, rounds.drafter, 1, rounds.capacity,
+        if not 1 <= rows <= rounds.pad.shape[0]:
+            raise ValueError(f"rows must lie in 1..{rounds.pad.shape[0]} (the batch's rows), got {rows}.")
+        self.rounds, self.chunk, self.rows = rounds, chunk, rows
+        self.scratch = StaticBatchRounds(rounds.target, rounds.drafter, rows, rounds.capacity,
                                          rounds.compile_options or False)
         device = rounds.anchor.device
-        self.ids = torch.zeros(1, chunk, dtype=torch.long, device=device)  # the chunk's tokens
-        self.first_column = torch.zeros(1, dtype=torch.long, device=device)  # its first column
-        self.last_logits: torch.Tensor | None = None  # [1, V]: the last chunk's last logits (float32)
-        self.tail: torch.Tensor | None = None  # [1, γ + 1, K·H]: the last chunk's last γ + 1 target features
+        self.ids = torch.zeros(rows, chunk, dtype=torch.long, device=device)  # the chunk's tokens
+        self.first_column = torch.zeros(rows, dtype=torch.long, device=device)  # its first column
+        self.last_logits: torch.Tensor | None = None  # [rows, V]: the last chunk's last logits (float32)
+        self.tail: torch.Tensor | None = None  # [rows, γ + 1, K·H]: the last chunk's last γ + 1 target features
         if rounds.compile_options is not None:
             for buffer in (self.ids, self.first_column):
                 torch._dynamo.mark_static_address(buffer)
@@ -76,13 +80,20 @@ class ChunkedAdmission:
                         torch._dynamo.mark_static_address(buffer)
             self._chunk_forward()
 
-    def prefill(self, input_ids: torch.LongTensor) -> int:
-        """Runs the prompt `input_ids` [L] through the one-row caches in chunks; returns its padded width W."""
+    def prefill(self, prompts: list[torch.LongTensor]) -> int:
+        """Runs up to `rows` prompts (each [L_i]) through the scratch caches in chunks, row i the i-th (and the
+        rows no prompt takes the first); returns their padded width W."""
+        if not 1 <= len(prompts) <= self.rows:
+            raise ValueError(f"{len(prompts)} prompts for an admission of at most {self.rows} rows.")
         scratch = self.scratch
-        width = self.padded_width(input_ids.shape[0])
-        padded = torch.zeros(1, width, dtype=torch.long, device=self.ids.device)
-        padded[0, width - input_ids.shape[0]:] = input_ids.to(self.ids.device)
-        scratch.pad.fill_(width - input_ids.shape[0])
+        width = self.padded_width(max(prompt.shape[0] for prompt in prompts))
+        padded = torch.zeros(self.rows, width, dtype=torch.long, device=self.ids.device)
+        pad = []
+        for row in range(self.rows):
+            prompt = prompts[row] if row < len(prompts) else prompts[0]
+            padded[row, width - prompt.shape[0]:] = prompt.to(self.ids.device)
+            pad.append(width - prompt.shape[0])
+        scratch.pad.copy_(torch.tensor(pad, device=scratch.pad.device))
         if self.last_logits is None:
             self._allocate()
         with scratch.tap if scratch.tap is not None else nullcontext():
@@ -93,16 +104,20 @@ class ChunkedAdmission:
         return width
 
     @torch.no_grad()
-    def admit(self, slot: int, input_ids: torch.LongTensor,
+    def admit(self, slots: list[int], prompts: list[torch.LongTensor],
               choose: Callable[[torch.Tensor], torch.LongTensor] = argmax_last) -> None:
-        """Prefills the prompt `input_ids` [L] into row `slot` of `rounds` (which has stopped; the others keep their
-        state); `choose` picks its first token from the last logits [1, V] (into `record`)."""
-        rounds, scratch = self.rounds, self.scratch
+        """Prefills the prompts (each [L_i], up to `rows` of them) into rows `slots` of `rounds` (which have stopped;
+        the others keep their state); `choose` picks their first tokens from the last logits [k, V] (into
+        `record`)."""
+        rounds, scratch, count = self.rounds, self.scratch, len(slots)
         if not rounds.target_cache.layers[0].is_initialized:
             raise RuntimeError("admit() refills rows of a running batch: call prefill() first.")
-        width = self.prefill(input_ids)
-        index = torch.tensor([slot], device=rounds.anchor.device)
+        if count != len(prompts):
+            raise ValueError(f"{count} slots for {len(prompts)} prompts.")
+        width = self.prefill(prompts)
+        index = torch.tensor(slots, device=rounds.anchor.device)
         write_rows(rounds.target_cache, scratch.target_cache, index, width)
         if rounds.drafter is not None:
             write_rows(rounds.drafter_cache, scratch.drafter_cache, index, width)
-        rounds.start_rows(index, scratch.pad, choose(self.last_logits), width, self.tail)
+        tail = self.tail[:count] if self.tail is not None else None
+        rounds.start_rows(index, scratch.pad[:count], choose(self.last_logits[:count]), width, tail)

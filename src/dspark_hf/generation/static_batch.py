@@ -102,12 +102,13 @@ class RowStaticCache(Cache):
 
 
 def write_rows(cache: RowStaticCache, source: Cache, rows: torch.Tensor, width: int | None = None) -> None:
-    """Copies `source`'s K/V [k, heads, ≥ W, d] per layer, columns 0 .. W - 1 (default W: all of `source`'s), into
-    rows `rows` (k of them) of `cache`."""
+    """Copies the first k rows of `source`'s K/V [≥ k, heads, ≥ W, d] per layer, columns 0 .. W - 1 (default W: all
+    of `source`'s), into rows `rows` (k of them) of `cache`."""
+    count = len(rows)
     for layer, written in zip(cache.layers, source.layers):
         columns = written.keys.shape[2] if width is None else width
-        layer.keys[rows, :, :columns] = written.keys[:, :, :columns]
-        layer.values[rows, :, :columns] = written.values[:, :, :columns]
+        layer.keys[rows, :, :columns] = written.keys[:count, :, :columns]
+        layer.values[rows, :, :columns] = written.values[:count, :, :columns]
 
 
 def visible_columns(pad: torch.Tensor, first_query: torch.Tensor, queries: int, capacity: int, causal: bool,

@@ -47,17 +47,18 @@ class StaticRows:
     row prefix, number of verified drafts and kind, greedy or sampled). `graph_batch_sizes`: the numbers of rows a
     round may run, each round the smallest that holds every request (`max_batch_size` is always one; default: the
     powers of two below it). Fewer sizes compile fewer graphs; the rounds of a batch that drains then run more free
-    rows. Admission (`add`): a request joins by `ChunkedAdmission` in chunks of `admission_chunk` tokens (one graph
-    whatever its length), or, when at least `eager_admission_from` requests of similar lengths join at once, in one
-    eager forward with the others: an eager forward of a small model costs about as much for one prompt as for a
-    few, 10-16 ms on the H200 for the 50M fixture, a chunk well under 1 ms (docs/serving.md)."""
+    rows. Admission (`add`): requests join by `ChunkedAdmission` in chunks of `admission_chunk` tokens (one graph
+    whatever their lengths), up to `admission_rows` of similar lengths at once, or, when at least
+    `eager_admission_from` requests of similar lengths join at once, in one eager forward with the others: an eager
+    forward of a small model costs about as much for one prompt as for a few, 10-16 ms on the H200 for the 50M
+    fixture, a chunk well under 1 ms (docs/serving.md)."""
 
     def __init__(self, target: PreTrainedModel, drafter: DSparkDraftModel | None, max_batch_size: int,
                  max_model_len: int, compile: bool | dict = False, attention: str = "auto",
                  fuse_projections: bool | None = None, verify: int | None = None,
                  chooser: RoundWidthChooser | None = None, sampler=None,
                  graph_batch_sizes: Iterable[int] | None = None, admission_chunk: int = 64,
-                 eager_admission_from: int = 8):
+                 admission_rows: int = 1, eager_admission_from: int = 8):
         span = 1 if drafter is None else drafter.config.num_draft_slots + 1  # the most tokens a round runs per row
         self.span, self.batch_size = span, max_batch_size
         if graph_batch_sizes is None:
@@ -77,7 +78,7 @@ class StaticRows:
         def build() -> tuple[StaticBatchRounds, ChunkedAdmission]:
             rounds = StaticBatchRounds(target, drafter, max_batch_size, capacity, compile,
                                        context_window=window or None)
-            return rounds, ChunkedAdmission(rounds, admission_chunk)
+            return rounds, ChunkedAdmission(rounds, admission_chunk, min(admission_rows, max_batch_size))
 
         with fast_kernels(target, drafter, attention, fuse_projections, build) as (rounds, admission):
             self.rounds, self.admission = rounds, admission
@@ -129,11 +130,12 @@ class StaticRows:
 
     def _groups(self, rows: list[Row]) -> list[list[Row]]:
         """`rows` in groups that one left-padded prefill can take: padded to its longest prompt (at least γ + 2, a
-        drafter's first context), every row of a group must still fit its budget and what rounds write past it."""
+        drafter's first context; to whole admission chunks), every row of a group must still fit its budget and what
+        rounds write past it."""
         groups: list[list[Row]] = []
         for row in sorted(rows, key=lambda row: -len(row.ids)):
             if groups:
-                width = max(len(groups[-1][0].ids), self.span + 1)
+                width = self.admission.padded_width(len(groups[-1][0].ids))
                 if width + row.max_new + self.reach <= self.rounds.capacity:
                     groups[-1].append(row)
                     continue
@@ -143,9 +145,9 @@ class StaticRows:
     @torch.no_grad()
     def add(self, rows: list[Row]) -> list[list[int]]:
         """Gives each of `rows` a free row and prefills it: the first call in one eager forward per group of similar
-        lengths (which sets up every row), later ones by `ChunkedAdmission`, one request at a time, or, for groups of
-        at least `eager_admission_from` requests, in one eager forward per group (`StaticBatchRounds.admit`). Returns
-        the one token each committed, in `rows` order."""
+        lengths (which sets up every row), later ones by `ChunkedAdmission`, `admission_rows` requests at a time, or,
+        for groups of at least `eager_admission_from` requests, in one eager forward per group
+        (`StaticBatchRounds.admit`). Returns the one token each committed, in `rows` order."""
         free = [index for index, owner in enumerate(self.owner) if owner is None]
         if len(free) < len(rows):
             raise RuntimeError(f"{len(rows)} requests for {len(free)} free rows.")
@@ -154,9 +156,11 @@ class StaticRows:
             for group in self._groups(rows):
                 slots, free = free[: len(group)], free[len(group):]
                 self._set_sampling(slots, group)
-                if self.started and len(group) < self.eager_admission_from:  # in chunks, one request at a time
-                    for slot, row in zip(slots, group):
-                        self.admission.admit(slot, torch.tensor(row.ids), self._first_tokens([row]))
+                if self.started and len(group) < self.eager_admission_from:  # in chunks, `admission.rows` at a time
+                    for start in range(0, len(group), self.admission.rows):
+                        part = group[start: start + self.admission.rows]
+                        self.admission.admit(slots[start: start + len(part)], [torch.tensor(row.ids) for row in part],
+                                             self._first_tokens(part))
                 else:
                     ids, mask = left_padded(group, min_width=self.span + 1)  # γ + 2: a drafter's first context
                     mask = mask.long()
@@ -215,7 +219,7 @@ class StaticRows:
                 with self._tap(self.rounds.prefix(size)):
                     self.rounds.prefix(size).flush()
                 bar.update()
-            self.admission.prefill(torch.zeros(1, dtype=torch.long))  # the admission chunk (its one-row caches only)
+            self.admission.prefill([torch.zeros(1, dtype=torch.long)])  # the admission chunk (its scratch caches)
             bar.update()
         self.pending = [0] * self.batch_size
         return len(graphs) + len(flushes) + 1

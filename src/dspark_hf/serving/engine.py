@@ -94,7 +94,7 @@ STATIC_WIDTHS = (0, 1, 3)  # with the drafter's γ: the numbers of verified draf
 
 
 def _static_rows(target, drafter, policy, gamma, threshold, sps_table, guard, max_batch_size, max_model_len,
-                 compile_rounds, graph_batch_sizes, sampler: RequestSampler) -> StaticRows:
+                 compile_rounds, graph_batch_sizes, admission_rows: int, sampler: RequestSampler) -> StaticRows:
     """`DSparkEngine(static=True)`'s runner: policy "none", "fixed" (None: "fixed"; `gamma` drafts or all) or
     "hardware_aware" (a `RoundWidthChooser` over plain rounds, 1, 3 and γ verified drafts, on measured round times)."""
     if max_model_len is None:
@@ -116,7 +116,8 @@ def _static_rows(target, drafter, policy, gamma, threshold, sps_table, guard, ma
         chooser = RoundWidthChooser(tuple(width for width in (*STATIC_WIDTHS, slots) if width <= slots))
     compile_rounds = target.device.type == "cuda" if compile_rounds is None else compile_rounds
     return StaticRows(target, drafter, max_batch_size, max_model_len, compile=compile_rounds, verify=gamma,
-                      chooser=chooser, sampler=sampler, graph_batch_sizes=graph_batch_sizes)
+                      chooser=chooser, sampler=sampler, graph_batch_sizes=graph_batch_sizes,
+                      admission_rows=admission_rows)
 
 
 def _speculative_rows(target, drafter, policy, gamma, threshold, sps_table, guard, compact_threshold,
@@ -188,6 +189,9 @@ class DSparkEngine:
             that holds every request (`max_batch_size` is always one). Default: the powers of two below
             `max_batch_size`. Each size is one more set of graphs to compile; with fewer, a draining batch's rounds
             run more free rows.
+        static_admission_rows: with `static`, how many requests of similar lengths join in one set of chunks (one
+            graph of that many rows; the rows fewer requests leave run copies). Default 1. On a small, launch-bound
+            model several cost about what one does; on a large one each row costs its compute.
     """
 
     def __init__(self, target: PreTrainedModel, drafter: DSparkDraftModel | None = None, tokenizer=None, *,
@@ -196,7 +200,7 @@ class DSparkEngine:
                  seed: int = 0, default_sampling: dict | None = None, compact_threshold: float = 0.5,
                  speculation_guard: bool | SpeculationGuard | None = None, profile_rounds: bool = False,
                  static: bool = False, static_compile: bool | dict | None = None, admission_batch: int = 1,
-                 static_graph_batch_sizes: Iterable[int] | None = None):
+                 static_graph_batch_sizes: Iterable[int] | None = None, static_admission_rows: int = 1):
         check_batchable_target(target)
         if drafter is not None:
             check_drafter_fits_target(drafter.config, target)
@@ -206,8 +210,8 @@ class DSparkEngine:
         if not 1 <= admission_batch <= max_batch_size:
             raise ValueError(f"admission_batch must be between 1 and max_batch_size ({max_batch_size}), got "
                              f"{admission_batch}.")
-        if static_graph_batch_sizes is not None and not static:
-            raise ValueError("static_graph_batch_sizes applies to DSparkEngine(static=True).")
+        if (static_graph_batch_sizes is not None or static_admission_rows != 1) and not static:
+            raise ValueError("static_graph_batch_sizes and static_admission_rows apply to DSparkEngine(static=True).")
         self.admission_batch = admission_batch
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
         self.generator = torch.Generator(device=target.device).manual_seed(seed)
@@ -215,7 +219,7 @@ class DSparkEngine:
         if static:
             self.runner = _static_rows(target, drafter, policy, gamma, threshold, sps_table, speculation_guard,
                                        max_batch_size, max_model_len, static_compile, static_graph_batch_sizes,
-                                       sampler)
+                                       static_admission_rows, sampler)
         else:
             self.runner = _speculative_rows(target, drafter, policy, gamma, threshold, sps_table, speculation_guard,
                                             compact_threshold, sampler)
