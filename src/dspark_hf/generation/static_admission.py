@@ -87,13 +87,14 @@ class ChunkedAdmission:
             raise ValueError(f"{len(prompts)} prompts for an admission of at most {self.rows} rows.")
         scratch = self.scratch
         width = self.padded_width(max(prompt.shape[0] for prompt in prompts))
-        padded = torch.zeros(self.rows, width, dtype=torch.long, device=self.ids.device)
-        pad = []
+        padded = torch.zeros(self.rows, width, dtype=torch.long)  # (built on the host: one copy to the device)
+        pad = torch.zeros(self.rows, dtype=torch.long)
         for row in range(self.rows):
             prompt = prompts[row] if row < len(prompts) else prompts[0]
-            padded[row, width - prompt.shape[0]:] = prompt.to(self.ids.device)
-            pad.append(width - prompt.shape[0])
-        scratch.pad.copy_(torch.tensor(pad, device=scratch.pad.device))
+            padded[row, width - prompt.shape[0]:] = prompt.cpu()
+            pad[row] = width - prompt.shape[0]
+        padded = padded.to(self.ids.device)
+        scratch.pad.copy_(pad)
         if self.last_logits is None:
             self._allocate()
         with scratch.tap if scratch.tap is not None else nullcontext():
