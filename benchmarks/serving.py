@@ -361,16 +361,16 @@ class GCPauses:
 GC_PAUSES = GCPauses()
 
 
-def step_in_turn(engines: dict[str, DSparkEngine], patches: dict | None = None, first: int = 0
+def step_in_turn(engines: dict[str, DSparkEngine], patches: dict | None = None
                  ) -> tuple[dict[str, float], dict[str, dict]]:
-    """Steps `engines` (each with its requests queued) in turn one round at a time, starting at the `first`-th and
-    rotating the first from sweep to sweep, until all have finished. Returns each engine's seconds (the sum of its own
-    rounds' wall-clock time, each ending with the device idle) and the garbage collector's pauses within them
-    (`gc_ms`, `gc_full`)."""
+    """Steps `engines` (each with its requests queued) in turn one round at a time, in their order and rotating the
+    first from sweep to sweep, until all have finished. Returns each engine's seconds (the sum of its own rounds'
+    wall-clock time, each ending with the device idle) and the garbage collector's pauses within them (`gc_ms`,
+    `gc_full`)."""
     seconds = dict.fromkeys(engines, 0.0)
     pauses = {name: dict(gc_ms=0.0, gc_full=0) for name in engines}
     device = next(iter(engines.values())).target.device
-    order = list(engines)[first % len(engines):] + list(engines)[: first % len(engines)]
+    order = list(engines)
     while order:
         for name in list(order):
             engine = engines[name]
@@ -503,7 +503,7 @@ def run_static_cells(target, drafter, prompts, concurrency: int, names: list[str
             gamma=int(name.removeprefix("fixed_")) if fixed else None, max_batch_size=concurrency,
             max_model_len=longest + 8, static_compile=compile_rounds,
             admission_batch=min(args.admission_batch, concurrency), static_graph_batch_sizes=graph_sizes,
-            static_admission_rows=min(args.admission_rows, concurrency))
+            static_admission_rows=args.admission_rows)
         started = time.perf_counter()
         engines[name].warm_up()
         warm_up_seconds[name] = time.perf_counter() - started
@@ -514,15 +514,16 @@ def run_static_cells(target, drafter, prompts, concurrency: int, names: list[str
                    for name, engine in engines.items()}
         for engine in engines.values():
             engine.round_log.clear()
+        first = repeat % len(names)  # the policy that goes first rotates from run to run
+        order = names[first:] + names[:first]
         if args.sequential:
             seconds, pauses = {}, {}
-            for step in range(len(names)):
-                name = names[(repeat + step) % len(names)]
+            for name in order:
                 part_seconds, part_pauses = step_in_turn({name: engines[name]})
                 seconds |= part_seconds
                 pauses |= part_pauses
         else:
-            seconds, pauses = step_in_turn(engines, first=repeat)
+            seconds, pauses = step_in_turn({name: engines[name] for name in order})
         if repeat < 0:
             continue
         tokens = {name: [handle.tokens for handle in handles[name]] for name in names}

@@ -80,21 +80,20 @@ class ChunkedAdmission:
                         torch._dynamo.mark_static_address(buffer)
             self._chunk_forward()
 
-    def prefill(self, prompts: list[torch.LongTensor]) -> int:
-        """Runs up to `rows` prompts (each [L_i]) through the scratch caches in chunks, row i the i-th (and the
-        rows no prompt takes the first); returns their padded width W."""
-        if not 1 <= len(prompts) <= self.rows:
-            raise ValueError(f"{len(prompts)} prompts for an admission of at most {self.rows} rows.")
+    def prefill(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor) -> int:
+        """Runs up to `rows` left-padded prompts [k, L] (`attention_mask` [k, L]: 0 on padding) through the scratch
+        caches in chunks, row i the i-th (the rows no prompt takes repeat the first); returns their padded width W."""
+        count = input_ids.shape[0]
+        if not 1 <= count <= self.rows:
+            raise ValueError(f"{count} prompts for an admission of at most {self.rows} rows.")
         scratch = self.scratch
-        width = self.padded_width(max(prompt.shape[0] for prompt in prompts))
-        padded = torch.zeros(self.rows, width, dtype=torch.long)  # (built on the host: one copy to the device)
-        pad = torch.zeros(self.rows, dtype=torch.long)
-        for row in range(self.rows):
-            prompt = prompts[row] if row < len(prompts) else prompts[0]
-            padded[row, width - prompt.shape[0]:] = prompt.cpu()
-            pad[row] = width - prompt.shape[0]
-        padded = padded.to(self.ids.device)
-        scratch.pad.copy_(pad)
+        spare = [0] * (self.rows - count)
+        real = torch.cat([attention_mask, attention_mask[spare]]).sum(dim=1)
+        length = int(real.max())  # (columns that are padding in every row are dropped)
+        width = self.padded_width(length)
+        kept = torch.cat([input_ids, input_ids[spare]])[:, input_ids.shape[1] - length:]
+        padded = torch.nn.functional.pad(kept, (width - length, 0)).to(self.ids.device)
+        scratch.pad.copy_(width - real)
         if self.last_logits is None:
             self._allocate()
         with scratch.tap if scratch.tap is not None else nullcontext():
@@ -105,17 +104,17 @@ class ChunkedAdmission:
         return width
 
     @torch.no_grad()
-    def admit(self, slots: list[int], prompts: list[torch.LongTensor],
+    def admit(self, slots: list[int], input_ids: torch.LongTensor, attention_mask: torch.Tensor,
               choose: Callable[[torch.Tensor], torch.LongTensor] = argmax_last) -> None:
-        """Prefills the prompts (each [L_i], up to `rows` of them) into rows `slots` of `rounds` (which have stopped;
-        the others keep their state); `choose` picks their first tokens from the last logits [k, V] (into
-        `record`)."""
+        """Prefills the left-padded prompts [k, L] (up to `rows` of them; `attention_mask` 0 on padding) into rows
+        `slots` of `rounds` (which have stopped; the others keep their state), as `StaticBatchRounds.admit` does;
+        `choose` picks their first tokens from the last logits [k, V] (into `record`)."""
         rounds, scratch, count = self.rounds, self.scratch, len(slots)
         if not rounds.target_cache.layers[0].is_initialized:
             raise RuntimeError("admit() refills rows of a running batch: call prefill() first.")
-        if count != len(prompts):
-            raise ValueError(f"{count} slots for {len(prompts)} prompts.")
-        width = self.prefill(prompts)
+        if count != input_ids.shape[0]:
+            raise ValueError(f"{count} slots for {input_ids.shape[0]} prompts.")
+        width = self.prefill(input_ids, attention_mask)
         index = torch.tensor(slots, device=rounds.anchor.device)
         write_rows(rounds.target_cache, scratch.target_cache, index, width)
         if rounds.drafter is not None:

@@ -156,22 +156,20 @@ class StaticRows:
             for group in self._groups(rows):
                 slots, free = free[: len(group)], free[len(group):]
                 self._set_sampling(slots, group)
+                ids, mask = left_padded(group, min_width=self.span + 1)  # γ + 2: a drafter's first context
+                mask = mask.long()
                 if self.started and len(group) < self.eager_admission_from:  # in chunks, `admission.rows` at a time
                     for start in range(0, len(group), self.admission.rows):
-                        part = group[start: start + self.admission.rows]
-                        self.admission.admit(slots[start: start + len(part)], [torch.tensor(row.ids) for row in part],
-                                             self._first_tokens(part))
-                else:
-                    ids, mask = left_padded(group, min_width=self.span + 1)  # γ + 2: a drafter's first context
-                    mask = mask.long()
-                    if self.started:  # one eager forward for the whole group
-                        rounds.admit(slots, ids, mask, self._first_tokens(group))
-                    else:  # the first prefill sets up every row; rows without a request stop at once
-                        spare = [0] * (self.batch_size - len(group))
-                        choose = self._first_tokens(group + [group[0]] * len(spare))
-                        rounds.prefill(torch.cat([ids, ids[spare]]), torch.cat([mask, mask[spare]]), choose)
-                        rounds.active[len(group):] = 0
-                        self.started = True
+                        part = slice(start, start + self.admission.rows)
+                        self.admission.admit(slots[part], ids[part], mask[part], self._first_tokens(group[part]))
+                elif self.started:  # one eager forward for the whole group
+                    rounds.admit(slots, ids, mask, self._first_tokens(group))
+                else:  # the first prefill sets up every row; rows without a request stop at once
+                    spare = [0] * (self.batch_size - len(group))
+                    choose = self._first_tokens(group + [group[0]] * len(spare))
+                    rounds.prefill(torch.cat([ids, ids[spare]]), torch.cat([mask, mask[spare]]), choose)
+                    rounds.active[len(group):] = 0
+                    self.started = True
                 for slot, row, token in zip(slots, group, rounds.record[slots, 1].tolist()):
                     self.owner[slot] = row
                     self.pending[slot] = self.span  # a prefill leaves its last γ + 1 features pending
@@ -219,7 +217,8 @@ class StaticRows:
                 with self._tap(self.rounds.prefix(size)):
                     self.rounds.prefix(size).flush()
                 bar.update()
-            self.admission.prefill([torch.zeros(1, dtype=torch.long)])  # the admission chunk (its scratch caches)
+            prompt = torch.zeros(1, 1, dtype=torch.long)
+            self.admission.prefill(prompt, torch.ones_like(prompt))  # the admission chunk (its scratch caches only)
             bar.update()
         self.pending = [0] * self.batch_size
         return len(graphs) + len(flushes) + 1
