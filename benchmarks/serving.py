@@ -57,8 +57,8 @@ hardware-aware one always last, with its policies sharing one engine). On the H2
 (a few seconds when inductor's cache holds the same graph from another engine), and concurrency c has log2(c) + 1
 row prefixes: `--graph-sizes-per-cell N` keeps the N largest (c, c/2, ...; `static_graph_batch_sizes`), at the price
 of more free rows in the rounds of a draining batch. Every cell records the garbage collector's pauses within its
-rounds (`gc_ms`, `gc_full`: full collections), since a process that compiled dozens of graphs holds millions of
-Python objects. (torch.compile's `backend="cudagraphs"`, which would capture the eager kernels and compile faster,
+rounds (`gc_ms`, `gc_full`: full collections), since a process that compiled dozens of graphs holds many Python
+objects. (torch.compile's `backend="cudagraphs"`, which would capture the eager kernels and compile faster,
 fails on the H200 with torch 2.11 at the Triton attention kernel's call: `BackendCompilerFailed ... cannot extract
 sympy expressions from {'part_ptr': ...}`; the rounds compile with inductor.)
 """
