@@ -1,6 +1,7 @@
 """SpeculationGuard: drafts only while a speculative round commits more tokens per plain round of time, per bucket.
 RoundWidthChooser: the static rounds' number of verified drafts, from measured round times and acceptance."""
 
+import itertools
 import random
 
 import pytest
@@ -192,6 +193,25 @@ def test_width_chooser_follows_a_change_of_acceptance():
     assert drive_widths(chooser, 300, seconds, [0.9] * 7)[-50:].count(7) >= 48
     hard = drive_widths(chooser, 300, seconds, [0.1] * 7, seed=1)  # the text got hard: plain rounds win
     assert hard[-50:].count(0) >= 46  # (the change of choice restarted the others' refreshes at 20 rounds)
+
+
+def test_width_chooser_times_a_width_again_when_a_refresh_shows_its_times_are_stale():
+    """Width 7's first timed rounds are slow (the machine was still warming up), then it costs what width 3 does and,
+    verifying more drafts, wins. Its first refresh is faster than every kept time: they are dropped and it is timed
+    again at once, instead of one sample per doubling interval (5 refreshes, ~1000 rounds, to move a median of 9)."""
+    seconds = {0: 1.0, 3: 1.4, 7: 1.4}
+    chooser = RoundWidthChooser(tuple(seconds), refresh_every=32)
+    rng, runs, chosen = random.Random(0), dict.fromkeys(seconds, 0), []
+    for _ in range(200):
+        width = chooser.choose()
+        runs[width] += 1
+        stale = width == 7 and runs[width] <= 5  # (2 warm-up rounds and the 3 timed ones)
+        accepted = [sum(1 for _ in itertools.takewhile(lambda _: rng.random() < 0.8, range(width))) for _ in range(16)]
+        chooser.record(width, 2.4 if stale else seconds[width], accepted)
+        chosen.append(width)
+    assert chosen[15:30].count(3) >= 14  # settled on 3 from 7's stale times
+    assert chosen[-100:].count(7) >= 95  # ... and moved to 7 after its first refresh
+    assert chooser.summary()[0][7]["round_ms"] == pytest.approx(1400)
 
 
 def test_width_chooser_times_each_number_of_rows_apart():

@@ -18,7 +18,10 @@ borrows that width's time from the nearest one that is (the larger of two equall
 to fewer rows does not explore again. After that, each other width is run again once `refresh_every` rounds (at this
 number of rows) have passed since it last ran there, so that neither its time nor the acceptance of drafts it
 would verify goes stale; every refresh that does not change the choice doubles that width's interval (up to
-`max_refresh_every`), and a change of choice resets them all.
+`max_refresh_every`), and a change of choice resets them all. A refresh faster than every round time kept for its
+width means those times are stale (e.g. measured while the machine was still warming up): they are dropped and the
+width is timed again (`samples` rounds in a row) before the next choice that reads it; one refresh alone would take
+half a window of doubling intervals to move the median.
 """
 
 from __future__ import annotations
@@ -93,8 +96,8 @@ class RoundWidthChooser:
         bucket.rounds += 1
         rates = {width: self.throughput(width, rows) for width in self.widths}
         unmeasured = [width for width, rate in rates.items() if rate is None]
-        if unmeasured:
-            return unmeasured[0]
+        if unmeasured or bucket.retiming:
+            return min(unmeasured or bucket.retiming)
         best = max(self.widths, key=rates.__getitem__)
         if best != bucket.best:
             bucket.best, bucket.interval = best, dict.fromkeys(self.widths, self.refresh_every)
@@ -112,8 +115,13 @@ class RoundWidthChooser:
         bucket.runs[width] += 1
         if bucket.runs[width] > self.warmup:
             times = bucket.times[width]
+            if width != bucket.best and bucket.median[width] is not None and seconds < min(times):
+                times.clear()  # a refresh faster than every kept time: they are stale, time this width again
+                bucket.retiming.add(width)
             times.append(seconds)
             bucket.median[width] = statistics.median(times) if len(times) >= self.samples else None
+            if bucket.median[width] is not None:
+                bucket.retiming.discard(width)
         if width == 0 or not accepted:
             return
         self._reached = [count * self.decay for count in self._reached]
@@ -146,3 +154,4 @@ class _WidthTimes:
         self.interval = dict.fromkeys(widths, refresh_every)
         self.best: int | None = None
         self.rounds = 0
+        self.retiming: set[int] = set()  # widths whose stale times were dropped, timed again before the next choice
