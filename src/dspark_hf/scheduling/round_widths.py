@@ -94,7 +94,8 @@ class RoundWidthChooser:
         """The number of drafts the next round (of `rows` rows) verifies."""
         bucket = self._bucket(rows)
         bucket.rounds += 1
-        rates = {width: self.throughput(width, rows) for width in self.widths}
+        rates = {width: self.expected_tokens(width) / median if median is not None else self.throughput(width, rows)
+                 for width, median in bucket.median.items()}  # (this number of rows' own times when it has them)
         unmeasured = [width for width, rate in rates.items() if rate is None]
         if unmeasured or bucket.retiming:
             return min(unmeasured or bucket.retiming)
@@ -126,11 +127,12 @@ class RoundWidthChooser:
             return
         self._reached = [count * self.decay for count in self._reached]
         self._accepted = [count * self.decay for count in self._accepted]
-        for count, rows_with_it in Counter(min(count, width) for count in accepted).items():
-            for slot in range(min(count + 1, width)):  # draft slot + 1 was verified after `slot` accepted
-                self._reached[slot] += rows_with_it
-            for slot in range(count):
-                self._accepted[slot] += rows_with_it
+        rows_with = Counter(accepted)  # (the engine calls this every round: one pass over the rows, then per slot)
+        at_least = len(accepted)  # rows that accepted >= slot drafts: draft slot + 1 was verified for them
+        for slot in range(width):
+            self._reached[slot] += at_least
+            at_least -= rows_with[slot]
+            self._accepted[slot] += at_least
         self._expected = None
 
     def summary(self) -> dict[int, dict[int, dict[str, float | None]]]:
