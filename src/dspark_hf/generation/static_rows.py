@@ -85,7 +85,9 @@ class StaticRows:
         kernel, fuse = kernel_choice(target, attention, fuse_projections)
         self._kernels = lambda: kernels_active(target, drafter, kernel, fuse)  # per call: the models are shared
         self.owner: list[Row | None] = [None] * max_batch_size  # each row's request
-        self.pending = [0] * max_batch_size  # per row: target features waiting in the drafter's pending context
+        self._occupied: list[int] | None = None  # `occupied` and `rows`, until the next `add` / `remove`
+        self._rows: list[Row] | None = None
+        self.pending = [0] * max_batch_size  # per row: target features waiting in the drafter's pending context (0: free)
         self.sampler = sampler
         self.sampled = [False] * max_batch_size  # per row: does its request sample
         self.filtered = [False] * max_batch_size  # ... with top-k or top-p (else the rounds skip their sort)
@@ -113,7 +115,21 @@ class StaticRows:
 
     @property
     def rows(self) -> list[Row]:
-        return [row for row in self.owner if row is not None]
+        """The running requests' rows, in row order (kept until `add` / `remove`: the engine reads them several
+        times a round; do not modify)."""
+        if self._rows is None:
+            self._rows = [self.owner[index] for index in self.occupied]
+        return self._rows
+
+    @property
+    def occupied(self) -> list[int]:
+        """The indices of the rows that hold a request, ascending (kept like `rows`)."""
+        if self._occupied is None:
+            self._occupied = [index for index, owner in enumerate(self.owner) if owner is not None]
+        return self._occupied
+
+    def _owners_changed(self) -> None:
+        self._occupied = self._rows = None
 
     @property
     def state(self) -> StaticRows:  # the engine's round log reads `state.width` and `state.hole_fraction()`
@@ -174,6 +190,7 @@ class StaticRows:
                     self.owner[slot] = row
                     self.pending[slot] = self.span  # a prefill leaves its last γ + 1 features pending
                     first[id(row)] = token
+                self._owners_changed()
         for row in rows:
             row.ids.append(first[id(row)])
         return [[first[id(row)]] for row in rows]
@@ -246,28 +263,31 @@ class StaticRows:
 
     def remove(self, rows: list[Row]) -> None:
         """Frees the rows of finished or cancelled requests."""
+        if not rows:
+            return
         gone = {id(row) for row in rows}
-        freed = []
-        for index, owner in enumerate(self.owner):
-            if owner is not None and id(owner) in gone:
-                self.owner[index] = None
-                self.rounds.active[index] = 0
-                freed.append(index)
+        freed = [index for index in self.occupied if id(self.owner[index]) in gone]
+        for index in freed:
+            self.owner[index] = None
+            self.pending[index] = 0
+            self.rounds.active[index] = 0
         if freed:
+            self._owners_changed()
             self._set_sampling(freed, None)
 
     @torch.no_grad()
     def step(self) -> list[list[int]]:
         """One round for the rows of the smallest prefix in `graph_batch_sizes` that holds every request (requests
         take the lowest free rows); returns the tokens each request's row committed, in `rows` order."""
-        last = max(index for index, row in enumerate(self.owner) if row is not None)
+        occupied = self.occupied
+        last = occupied[-1]
         count = self.graph_batch_sizes[bisect.bisect_left(self.graph_batch_sizes, last + 1)]
         rounds = self.rounds.prefix(count)
         verify = self.chooser.choose(count) if self.chooser is not None else self.verify
         started = time.perf_counter()
         with self._kernels(), self._part("verify_forward"):  # (the whole round: one graph)
             with self._tap(rounds):
-                fullest = max(self.pending[index] for index, row in enumerate(self.owner) if row is not None)
+                fullest = max(self.pending)  # (free rows hold 0)
                 if rounds.must_flush(verify, fullest):
                     rounds.flush()  # the pending context into the drafter cache
                     self.pending = [0] * self.batch_size
@@ -278,14 +298,14 @@ class StaticRows:
             record = rounds.record.tolist()  # the round's one synchronisation
         seconds = time.perf_counter() - started
         committed, accepted_drafts = [], []
-        for index, row in enumerate(self.owner[:count]):
-            if row is None:
-                continue
+        for index in occupied:
+            row = self.owner[index]
             accepted, *tokens = record[index]
+            tokens = tokens[: accepted + 1]
             row.drafted.append(verify)  # (the round's width; drafts past the row's budget are verified, not used)
             row.accepted.append(min(accepted, max(row.remaining - 1, 0)))  # as the eager rows count them
-            row.ids.extend(tokens[: accepted + 1])
-            committed.append(tokens[: accepted + 1])
+            row.ids.extend(tokens)
+            committed.append(tokens)
             accepted_drafts.append(accepted)
             self.pending[index] = self.pending[index] + 1 if verify == 0 else accepted + 1
         self.drafted_last_round = verify > 0

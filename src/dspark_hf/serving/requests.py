@@ -101,7 +101,7 @@ class Request:
         self.finish_reason: str | None = None
         self.cancel_requested = False
         self.row = None  # the engine's Row while running
-        self._queue: queue.Queue = queue.Queue()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()  # (C: a put costs ~0.07 us, a Queue.put ~1.2 us)
 
     # ------------------------------------------------------------------ engine side
     def _emit(self, tokens: list[int]) -> None:
