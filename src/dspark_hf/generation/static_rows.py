@@ -87,7 +87,7 @@ class StaticRows:
         self.owner: list[Row | None] = [None] * max_batch_size  # each row's request
         self._occupied: list[int] | None = None  # `occupied` and `rows`, until the next `add` / `remove`
         self._rows: list[Row] | None = None
-        self.pending = [0] * max_batch_size  # per row: target features waiting in the drafter's pending context (0: free)
+        self.pending = [0] * max_batch_size  # per row: target features pending for the drafter's context (0: free)
         self.sampler = sampler
         self.sampled = [False] * max_batch_size  # per row: does its request sample
         self.filtered = [False] * max_batch_size  # ... with top-k or top-p (else the rounds skip their sort)

@@ -21,7 +21,8 @@ would verify goes stale; every refresh that does not change the choice doubles t
 `max_refresh_every`), and a change of choice resets them all. A refresh faster than every round time kept for its
 width means those times are stale (e.g. measured while the machine was still warming up): they are dropped and the
 width is timed again (`samples` rounds in a row) before the next choice that reads it; one refresh alone would take
-half a window of doubling intervals to move the median.
+half a window (a dozen) of doubling intervals to move the median. A width replaces the current choice only when its expected
+rate is `switch_margin` higher: a change of choice on noise alone would restart the refreshes of every width.
 """
 
 from __future__ import annotations
@@ -44,18 +45,22 @@ class RoundWidthChooser:
         decay: factor on the acceptance counts at every speculative round: 0.99 remembers about the last hundred.
         refresh_every: rounds after which a width that is not chosen is run again, after a change of choice.
         max_refresh_every: the longest such interval.
+        switch_margin: how much more a width's expected rate must be than the current choice's to replace it: round
+            times are noisy, and each change of choice restarts the refreshes.
     """
 
-    def __init__(self, widths: tuple[int, ...], warmup: int = 2, samples: int = 3, window: int = 9,
-                 decay: float = 0.99, refresh_every: int = 32, max_refresh_every: int = 1024):
+    def __init__(self, widths: tuple[int, ...], warmup: int = 2, samples: int = 3, window: int = 25,
+                 decay: float = 0.99, refresh_every: int = 32, max_refresh_every: int = 1024,
+                 switch_margin: float = 0.02):
         if not widths or min(widths) < 0 or samples < 1 or window < samples or not 0 < decay <= 1 \
-                or not 1 <= refresh_every <= max_refresh_every:
-            raise ValueError("RoundWidthChooser needs widths >= 0, samples >= 1, window >= samples, 0 < decay <= 1 "
-                             "and 1 <= refresh_every <= max_refresh_every.")
+                or not 1 <= refresh_every <= max_refresh_every or switch_margin < 0:
+            raise ValueError("RoundWidthChooser needs widths >= 0, samples >= 1, window >= samples, 0 < decay <= 1, "
+                             "1 <= refresh_every <= max_refresh_every and switch_margin >= 0.")
         self.widths = tuple(sorted(set(widths)))
         self.warmup, self.samples, self.decay = warmup, samples, decay
         self.refresh_every, self.max_refresh_every = refresh_every, max_refresh_every
         self.window = window
+        self.switch_margin = switch_margin
         self._buckets: dict[int, _WidthTimes] = {}
         # Plain Python floats: the engine asks every round, and a few dozen small torch operations on the host
         # cost about as much as a compiled round of a small model (~0.5 ms).
@@ -100,6 +105,8 @@ class RoundWidthChooser:
         if unmeasured or bucket.retiming:
             return min(unmeasured or bucket.retiming)
         best = max(self.widths, key=rates.__getitem__)
+        if bucket.best is not None and rates[best] < (1 + self.switch_margin) * rates[bucket.best]:
+            best = bucket.best
         if best != bucket.best:
             bucket.best, bucket.interval = best, dict.fromkeys(self.widths, self.refresh_every)
         for width in self.widths:
