@@ -365,10 +365,11 @@ def step_in_turn(engines: dict[str, DSparkEngine], patches: dict | None = None
                  ) -> tuple[dict[str, float], dict[str, dict]]:
     """Steps `engines` (each with its requests queued) in turn one round at a time, in their order and rotating the
     first from sweep to sweep, until all have finished. Returns each engine's seconds (the sum of its own rounds'
-    wall-clock time, each ending with the device idle) and the garbage collector's pauses within them (`gc_ms`,
-    `gc_full`)."""
+    wall-clock time, each ending with the device idle), the garbage collector's pauses within them (`gc_ms`,
+    `gc_full`) and the graphs dynamo compiled in them (`compiled_graphs`: 0 once the graphs are warm)."""
     seconds = dict.fromkeys(engines, 0.0)
-    pauses = {name: dict(gc_ms=0.0, gc_full=0) for name in engines}
+    pauses = {name: dict(gc_ms=0.0, gc_full=0, compiled_graphs=0) for name in engines}
+    compiled = torch._dynamo.utils.counters["stats"]
     device = next(iter(engines.values())).target.device
     order = list(engines)
     while order:
@@ -379,13 +380,14 @@ def step_in_turn(engines: dict[str, DSparkEngine], patches: dict | None = None
                 continue
             with patches[name] if patches else contextlib.nullcontext():
                 synchronize(device)
-                gc_seconds, gc_full = GC_PAUSES.seconds, GC_PAUSES.full
+                gc_seconds, gc_full, graphs = GC_PAUSES.seconds, GC_PAUSES.full, compiled["unique_graphs"]
                 start = time.perf_counter()
                 engine.step()
                 synchronize(device)
                 seconds[name] += time.perf_counter() - start
                 pauses[name]["gc_ms"] += 1e3 * (GC_PAUSES.seconds - gc_seconds)
                 pauses[name]["gc_full"] += GC_PAUSES.full - gc_full
+                pauses[name]["compiled_graphs"] += compiled["unique_graphs"] - graphs
         order = order[1:] + order[:1]
     return seconds, pauses
 
@@ -724,15 +726,17 @@ def main() -> None:
                                        recorded)
             for name, cells in runs.items():
                 cell = sorted(cells, key=lambda c: c["tokens_per_second"])[len(cells) // 2]
-                cell = dict(cell, tokens_per_second_runs=[c["tokens_per_second"] for c in cells])
+                cell = dict(cell, tokens_per_second_runs=[c["tokens_per_second"] for c in cells],
+                            round_ms_max_runs=[c["round_ms_max"] for c in cells])
                 results.setdefault(name, []).append(cell)
                 print(f"{args.model} {name:>16} c={concurrency:<4} {cell['tokens_per_second']:9.1f} tok/s "
                       f"(runs {' '.join(f'{t:.0f}' for t in cell['tokens_per_second_runs'])}; "
                       f"full load {cell['steady_tokens_per_second'] or 0:.0f})  "
                       f"tau={cell['tau']:.2f}  round={cell['round_ms']:.1f} ms "
                       f"(median {cell['round_ms_median']:.1f}, max {cell['round_ms_max']:.0f})  "
-                      f"holes={cell['mean_hole_fraction']:.2f}  plain rounds={cell['plain_round_fraction']:.2f}",
-                      flush=True)
+                      f"holes={cell['mean_hole_fraction']:.2f}  plain rounds={cell['plain_round_fraction']:.2f}  "
+                      f"(max round per run {' '.join(f'{t:.0f}' for t in cell['round_ms_max_runs'])} ms; "
+                      f"graphs compiled {sum(c['compiled_graphs'] for c in cells)})", flush=True)
             if recorded:
                 merged = AcceptanceTrace(torch.cat([t.confidences for t in recorded]),
                                          torch.cat([t.accepted for t in recorded]), prompts)

@@ -107,6 +107,7 @@ def test_static_cells_run_every_policy_on_its_own_engine(models, graph_sizes_per
             assert cell["generated_tokens"] == sum(lengths) and cell["tokens_per_second"] > 0
             assert cell["warm_up_seconds"] > 0  # every graph ran before the runs
             assert cell["gc_ms"] >= 0 and cell["gc_full"] >= 0
+            assert cell["compiled_graphs"] == 0  # (nothing compiles on the CPU; on CUDA, warm_up() compiled them all)
             assert ("chooser" in cell) == (name == "hardware_aware")
             widths = {int(k) for k in cell["verify_length_histogram"]}
             expected = {"no_spec": {0}, "hardware_aware": {0, 1, 3, 7}}.get(name) or {int(name.split("_")[1])}
