@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import gzip
+import hashlib
 import json
 import platform
 import shutil
@@ -35,9 +36,22 @@ def environment() -> dict:
         info["gpu"] = torch.cuda.get_device_name(0)
     try:
         info["git_commit"] = subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=REPO, text=True).strip()
+        # (on the device machine the working tree is copied over an older checkout's .git: HEAD alone can be stale)
+        info["git_dirty"] = bool(subprocess.check_output(["git", "status", "--porcelain", "--", "src", "benchmarks"],
+                                                         cwd=REPO, text=True).strip())
     except (OSError, subprocess.CalledProcessError):
         pass
+    info["source_sha256"] = source_digest()
     return info
+
+
+def source_digest() -> str:
+    """sha256 over the library's and the benchmarks' Python files (paths and contents): which code produced a
+    result, whatever the git metadata around it says. `git ls-files src benchmarks` fed to the same hash checks it."""
+    digest = hashlib.sha256()
+    for path in sorted(p for folder in ("src", "benchmarks") for p in (REPO / folder).rglob("*.py")):
+        digest.update(path.relative_to(REPO).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
 
 
 def scratch_dir(prefix: str = "dspark-bench-") -> Path:

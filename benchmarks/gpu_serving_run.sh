@@ -29,15 +29,17 @@
 #     --requests-per-slot 2 --concurrency 32 64 128 256 with static_sweep.json carried back in as --out (a name
 #     other than serving_static_h200.json, which is copied below); then c = 16 alone with chunked admission
 #     (serving_static_chunked_admission_h200.json, 162 s).
-# 2026-12-02 (twelfth session): the same sweep with chunked admission (library cb02937), now serving_static_h200.json
-#     and serving_static_sweep_code50m_h200.log, in three calls: c = 1-8 (565 s: the 560 s limit cut c = 16), c =
+# 2026-12-02 (twelfth session): the same sweep with chunked admission (library cb02937), now
+#     serving_static_sequential_h200.json and serving_static_sequential_code50m_h200.log, in three calls: c = 1-8 (565 s: the 560 s limit cut c = 16), c =
 #     32-256 (478 s), c = 16 alone (121 s). The static cells then still ran one after another, the hardware-aware
 #     one always last; since then one engine per policy, stepped in turn (--sequential: one after another).
 # 2026-12-02 (twelfth session): policies stepped in turn, library dcead12 (serving_static_interleaved_h200.json, 275 s):
 #     SERVING_TIMEOUT=480 ... --model code50m --static --graph-sizes-per-cell 1 --max-new-tokens 64 --repeats 3
 #     --requests-per-slot 2 --no-paged --concurrency 16 128 --out $OUT/static_interleaved.json
-# Next: the same with --admission-rows 4 (requests joining together share their admission chunks), then the whole
-#     sweep stepped in turn (c = 1-16 and 32-256, two calls).
+# 2026-12-02 (thirteenth session): the whole sweep stepped in turn with --admission-rows 4, library 36f6ee0
+#     (serving_static_h200.json; three calls: c = 4 8 16, 314 s; 128 32 64 256, 389 s; 1 2, 192 s):
+#     SERVING_TIMEOUT=560 ... --model code50m --static --graph-sizes-per-cell 1 --max-new-tokens 64 --repeats 3
+#     --requests-per-slot 4 --no-paged --admission-rows 4 --concurrency 4 8 16 --out $OUT/static_sweep.json
 set -uo pipefail
 # SERVING_TIMEOUT=S stops the benchmark after S seconds (results are saved after every concurrency); 0: no limit.
 export PYTHONPATH=${DSPARK_SRC:-src}
