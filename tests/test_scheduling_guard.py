@@ -232,6 +232,27 @@ def test_width_chooser_does_not_change_its_choice_on_noise_between_equal_widths(
     assert changes(RoundWidthChooser((3,)).switch_margin) < 0.7 * changes(0.0)
 
 
+def test_width_chooser_compares_rates_only_every_few_rounds_once_settled(monkeypatch):
+    """The engine asks every round; a settled choice stands `decide_every` rounds without recomputing the rates (each
+    comparison reads every width's expected tokens), and the refreshes still run when due."""
+    seconds = {0: 1.0, 1: 1.2, 3: 1.5, 7: 2.0}
+
+    def comparisons(decide_every: int) -> tuple[int, list[int]]:
+        chooser = RoundWidthChooser(tuple(seconds), refresh_every=50, decide_every=decide_every)
+        calls = []
+        expected_tokens = chooser.expected_tokens
+        monkeypatch.setattr(chooser, "expected_tokens", lambda width: calls.append(width) or expected_tokens(width))
+        chosen = drive_widths(chooser, 600, seconds, [0.9] * 7)
+        return len(calls), chosen
+
+    every_round, chosen_every_round = comparisons(1)
+    every_eighth, chosen = comparisons(8)
+    assert every_eighth < 0.3 * every_round
+    assert chosen.count(7) > 0.95 * (len(chosen) - 20) and set(chosen[20:]) == set(seconds)  # settled, refreshed
+    assert [i for i, width in enumerate(chosen) if width != 7] == \
+        [i for i, width in enumerate(chosen_every_round) if width != 7]  # the same refresh rounds
+
+
 def test_width_chooser_times_each_number_of_rows_apart():
     """Rounds of 4 rows cost nearly the same at every width, rounds of 64 rows much more when they verify more: with the
     same acceptance, all drafts win in the first and plain rounds in the second, and the summary keeps both."""

@@ -22,7 +22,9 @@ would verify goes stale; every refresh that does not change the choice doubles t
 width means those times are stale (e.g. measured while the machine was still warming up): they are dropped and the
 width is timed again (`samples` rounds in a row) before the next choice that reads it; one refresh alone would take
 half a window (a dozen) of doubling intervals to move the median. A width replaces the current choice only when its expected
-rate is `switch_margin` higher: a change of choice on noise alone would restart the refreshes of every width.
+rate is `switch_margin` higher: a change of choice on noise alone would restart the refreshes of every width. Once a
+choice is made it stands for `decide_every` rounds (or until a refresh is due) without recomputing the rates: the engine
+asks every round, and a round of a small model on a GPU lasts about a millisecond.
 """
 
 from __future__ import annotations
@@ -47,20 +49,23 @@ class RoundWidthChooser:
         max_refresh_every: the longest such interval.
         switch_margin: how much more a width's expected rate must be than the current choice's to replace it: round
             times are noisy, and each change of choice restarts the refreshes.
+        decide_every: rounds a choice stands before the rates are compared again (refreshes still run when due);
+            the acceptance estimate remembers about 1 / (1 - decay) rounds, so a few rounds' delay changes little.
     """
 
     def __init__(self, widths: tuple[int, ...], warmup: int = 2, samples: int = 3, window: int = 25,
                  decay: float = 0.99, refresh_every: int = 32, max_refresh_every: int = 1024,
-                 switch_margin: float = 0.02):
+                 switch_margin: float = 0.02, decide_every: int = 8):
         if not widths or min(widths) < 0 or samples < 1 or window < samples or not 0 < decay <= 1 \
-                or not 1 <= refresh_every <= max_refresh_every or switch_margin < 0:
+                or not 1 <= refresh_every <= max_refresh_every or switch_margin < 0 or decide_every < 1:
             raise ValueError("RoundWidthChooser needs widths >= 0, samples >= 1, window >= samples, 0 < decay <= 1, "
-                             "1 <= refresh_every <= max_refresh_every and switch_margin >= 0.")
+                             "1 <= refresh_every <= max_refresh_every, switch_margin >= 0 and decide_every >= 1.")
         self.widths = tuple(sorted(set(widths)))
         self.warmup, self.samples, self.decay = warmup, samples, decay
         self.refresh_every, self.max_refresh_every = refresh_every, max_refresh_every
         self.window = window
         self.switch_margin = switch_margin
+        self.decide_every = decide_every
         self._buckets: dict[int, _WidthTimes] = {}
         # Plain Python floats: the engine asks every round, and a few dozen small torch operations on the host
         # cost about as much as a compiled round of a small model (~0.5 ms).
@@ -83,24 +88,27 @@ class RoundWidthChooser:
 
     def _bucket(self, rows: int) -> _WidthTimes:
         if rows not in self._buckets:
-            self._buckets[rows] = _WidthTimes(self.widths, self.window, self.refresh_every)
+            self._buckets[rows] = _WidthTimes(self.widths, self.window, self.refresh_every, self.samples)
         return self._buckets[rows]
 
     def throughput(self, width: int, rows: int = 0) -> float | None:
         """Expected committed tokens per second and row for `width` in rounds of `rows` rows; until those are
         measured, from the nearest number of rows where they are (None: nowhere yet)."""
-        measured = [count for count, bucket in self._buckets.items() if bucket.median[width] is not None]
+        measured = [count for count, bucket in self._buckets.items() if bucket.median(width) is not None]
         if not measured:
             return None
         nearest = min(measured, key=lambda count: (abs(math.log2(max(count, 1) / max(rows, 1))), -count))
-        return self.expected_tokens(width) / self._buckets[nearest].median[width]
+        return self.expected_tokens(width) / self._buckets[nearest].median(width)
 
     def choose(self, rows: int = 0) -> int:
         """The number of drafts the next round (of `rows` rows) verifies."""
         bucket = self._bucket(rows)
         bucket.rounds += 1
+        if bucket.rounds < bucket.settled_until:
+            return bucket.best
+        medians = {width: bucket.median(width) for width in self.widths}
         rates = {width: self.expected_tokens(width) / median if median is not None else self.throughput(width, rows)
-                 for width, median in bucket.median.items()}  # (this number of rows' own times when it has them)
+                 for width, median in medians.items()}  # (this number of rows' own times when it has them)
         unmeasured = [width for width, rate in rates.items() if rate is None]
         if unmeasured or bucket.retiming:
             return min(unmeasured or bucket.retiming)
@@ -113,6 +121,9 @@ class RoundWidthChooser:
             if width != best and bucket.rounds - bucket.last_run[width] >= bucket.interval[width]:
                 bucket.interval[width] = min(2 * bucket.interval[width], self.max_refresh_every)
                 return width
+        due = min((bucket.last_run[width] + bucket.interval[width] for width in self.widths if width != best),
+                  default=bucket.rounds + self.decide_every)
+        bucket.settled_until = min(bucket.rounds + self.decide_every, due)
         return best
 
     def record(self, width: int, seconds: float, accepted: list[int], rows: int = 0) -> None:
@@ -121,14 +132,16 @@ class RoundWidthChooser:
         bucket = self._bucket(rows)
         bucket.last_run[width] = bucket.rounds
         bucket.runs[width] += 1
+        if width != bucket.best:
+            bucket.settled_until = 0  # (a refresh or a first measurement: decide again next round)
         if bucket.runs[width] > self.warmup:
             times = bucket.times[width]
-            if width != bucket.best and bucket.median[width] is not None and seconds < min(times):
+            if width != bucket.best and len(times) >= self.samples and seconds < min(times):
                 times.clear()  # a refresh faster than every kept time: they are stale, time this width again
                 bucket.retiming.add(width)
             times.append(seconds)
-            bucket.median[width] = statistics.median(times) if len(times) >= self.samples else None
-            if bucket.median[width] is not None:
+            bucket.stale.add(width)
+            if len(times) >= self.samples:
                 bucket.retiming.discard(width)
         if width == 0 or not accepted:
             return
@@ -155,12 +168,23 @@ class RoundWidthChooser:
 class _WidthTimes:
     """One number of rows' round times per width, and the schedule of its refreshes."""
 
-    def __init__(self, widths: tuple[int, ...], window: int, refresh_every: int):
+    def __init__(self, widths: tuple[int, ...], window: int, refresh_every: int, samples: int):
         self.times = {width: deque(maxlen=window) for width in widths}
-        self.median: dict[int, float | None] = dict.fromkeys(widths)  # of `times`, once they hold `samples`
+        self.samples = samples
+        self._medians: dict[int, float | None] = dict.fromkeys(widths)
+        self.stale: set[int] = set()  # widths timed since their median was last taken
         self.runs = dict.fromkeys(widths, 0)
         self.last_run = dict.fromkeys(widths, 0)
         self.interval = dict.fromkeys(widths, refresh_every)
         self.best: int | None = None
         self.rounds = 0
         self.retiming: set[int] = set()  # widths whose stale times were dropped, timed again before the next choice
+        self.settled_until = 0  # the round before which `best` stands without a new comparison
+
+    def median(self, width: int) -> float | None:
+        """The median of `width`'s kept round times, once they hold `samples` (None before)."""
+        if width in self.stale:
+            self.stale.discard(width)
+            times = self.times[width]
+            self._medians[width] = statistics.median(times) if len(times) >= self.samples else None
+        return self._medians[width]
