@@ -277,9 +277,15 @@ def request_lengths(count: int, args) -> list[int]:
     return torch.randint(low, high + 1, (count,), generator=torch.Generator().manual_seed(count)).tolist()
 
 
+def request_count(concurrency: int, args) -> int:
+    """A cell's requests: `--requests-per-slot` × c, at least `--min-requests` (so that a run at low concurrency
+    lasts long enough to be timed)."""
+    return max(concurrency * args.requests_per_slot, getattr(args, "min_requests", 0))
+
+
 def add_requests(engine: DSparkEngine, prompts, concurrency: int, args) -> list:
-    """The cell's requests (`--requests-per-slot` × c, lengths from `request_lengths`), queued at once."""
-    lengths = request_lengths(concurrency * args.requests_per_slot, args)
+    """The cell's requests (`request_count`, lengths from `request_lengths`), queued at once."""
+    lengths = request_lengths(request_count(concurrency, args), args)
     return [engine.add_request(prompts[i % len(prompts)], max_tokens=n, temperature=0.0, ignore_eos=True)
             for i, n in enumerate(lengths)]
 
@@ -319,6 +325,12 @@ def cell_result(engine: DSparkEngine, handles: list, seconds: float, concurrency
         rounds=len(log), round_ms=1e3 * seconds / max(1, len(log)),
         round_ms_median=1e3 * statistics.median(e["seconds"] for e in log) if log else None,
         round_ms_max=1e3 * max(e["seconds"] for e in log) if log else None,
+        # where a round's time goes: admitting requests, the draft + verify round, the rest (delivering tokens,
+        # freeing rows, the driver loop)
+        admit_ms_per_round=1e3 * sum(e["admit_seconds"] for e in log) / max(1, len(log)),
+        step_ms_per_round=1e3 * sum(e["step_seconds"] for e in log) / max(1, len(log)),
+        step_ms_median=1e3 * statistics.median(e["step_seconds"] for e in log) if log else None,
+        other_ms_per_round=1e3 * (seconds - sum(e["seconds"] for e in log)) / max(1, len(log)),
         tau=(sum(accepted) + len(accepted)) / max(1, len(accepted)),
         verify_length_histogram={str(k): v for k, v in sorted(Counter(n for e in log for n in e["verify"]).items())},
         mean_batch=sum(e["batch"] for e in log) / max(1, len(log)),
@@ -418,7 +430,7 @@ def run_paged(target, prompts, concurrency: int, args) -> dict:
     started and warmed up before the clock starts (as our engine's warm-up run)."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
-    count = concurrency * args.requests_per_slot
+    count = request_count(concurrency, args)
     inputs, lengths = [prompts[i % len(prompts)] for i in range(count)], request_lengths(count, args)
     config = GenerationConfig(max_new_tokens=max(lengths), do_sample=False, eos_token_id=-1, pad_token_id=0)
     batching = ContinuousBatchingConfig(max_requests_per_batch=concurrency, use_cuda_graph=False)
@@ -491,7 +503,7 @@ def run_static_cells(target, drafter, prompts, concurrency: int, names: list[str
     """`--static`: one engine per policy, kept for this concurrency; each compiles its graphs (`warm_up`), then a
     warm-up run and `--repeats` timed runs of all policies, stepped in turn (`step_in_turn`, the first engine rotating
     from run to run), or with `--sequential` one after another (in a rotating order)."""
-    longest = max(map(len, prompts)) + max(request_lengths(concurrency * args.requests_per_slot, args))
+    longest = max(map(len, prompts)) + max(request_lengths(request_count(concurrency, args), args))
     # --dynamic-batch: dynamo's automatic dynamic shapes: a width's first two row prefixes compile (the second with a
     # symbolic batch size, which the larger ones reuse), and CUDA graphs are still recorded per prefix
     compile_rounds = dict(mode="reduce-overhead", dynamic=None) if args.dynamic_batch else None
@@ -506,6 +518,8 @@ def run_static_cells(target, drafter, prompts, concurrency: int, names: list[str
             max_model_len=longest + 8, static_compile=compile_rounds,
             admission_batch=min(args.admission_batch, concurrency), static_graph_batch_sizes=graph_sizes,
             static_admission_rows=args.admission_rows)
+        if args.eager_admission_from is not None:
+            engines[name].runner.eager_admission_from = args.eager_admission_from
         started = time.perf_counter()
         engines[name].warm_up()
         warm_up_seconds[name] = time.perf_counter() - started
@@ -624,6 +638,12 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY))
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--requests-per-slot", type=int, default=4, help="requests queued per unit of concurrency")
+    parser.add_argument("--min-requests", type=int, default=0,
+                        help="at least this many requests per cell (a cell of 4 requests at c = 1 lasts 0.1 s on the "
+                             "H200, too short to time)")
+    parser.add_argument("--eager-admission-from", type=int, default=None,
+                        help="--static: requests of similar lengths joining together from this many on are prefilled "
+                             "in one eager forward instead of admission chunks (StaticRows.eager_admission_from)")
     parser.add_argument("--length-spread", type=float, default=0.5,
                         help="request lengths uniform in max-new-tokens × (1 ± spread); 0: all equal")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per cell")
@@ -692,7 +712,8 @@ def main() -> None:
             environment=environment(), replayed=trace is not None,
             settings=dict(dtype="float32" if args.model == "smoke" else args.dtype, max_new_tokens=args.max_new_tokens,
                           temperature=0.0, ignore_eos=True, threshold=args.threshold, concurrency=args.concurrency,
-                          requests_per_slot=args.requests_per_slot, repeats=args.repeats,
+                          requests_per_slot=args.requests_per_slot, min_requests=args.min_requests,
+                          eager_admission_from=args.eager_admission_from, repeats=args.repeats,
                           protocol="sequential" if args.sequential else "interleaved",
                           engine=static_engine_label(args) if args.static else "eager",
                           length_spread=args.length_spread,
@@ -733,7 +754,9 @@ def main() -> None:
                       f"(runs {' '.join(f'{t:.0f}' for t in cell['tokens_per_second_runs'])}; "
                       f"full load {cell['steady_tokens_per_second'] or 0:.0f})  "
                       f"tau={cell['tau']:.2f}  round={cell['round_ms']:.1f} ms "
-                      f"(median {cell['round_ms_median']:.1f}, max {cell['round_ms_max']:.0f})  "
+                      f"(median {cell['round_ms_median']:.1f}, max {cell['round_ms_max']:.0f}; admission "
+                      f"{cell['admit_ms_per_round']:.2f}, draft + verify {cell['step_ms_per_round']:.2f}, rest "
+                      f"{cell['other_ms_per_round']:.2f})  "
                       f"holes={cell['mean_hole_fraction']:.2f}  plain rounds={cell['plain_round_fraction']:.2f}  "
                       f"(max round per run {' '.join(f'{t:.0f}' for t in cell['round_ms_max_runs'])} ms; "
                       f"graphs compiled {sum(c['compiled_graphs'] for c in cells)})", flush=True)

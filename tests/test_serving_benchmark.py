@@ -97,7 +97,7 @@ def test_static_cells_run_every_policy_on_its_own_engine(models, graph_sizes_per
     target, drafter, prompts = models
     args = argparse.Namespace(**vars(ARGS), repeats=2, dynamic_batch=False, admission_batch=1,  # (CPU: no compile)
                               graph_sizes_per_cell=graph_sizes_per_cell, sequential=sequential,
-                              admission_rows=admission_rows)
+                              admission_rows=admission_rows, eager_admission_from=None)
     names = ["no_spec", "fixed_1", "fixed_3", "fixed_7", "hardware_aware"]
     runs = serving.run_static_cells(target, drafter, prompts, 2, names, args)
     lengths = serving.request_lengths(4, ARGS)
@@ -108,6 +108,9 @@ def test_static_cells_run_every_policy_on_its_own_engine(models, graph_sizes_per
             assert cell["warm_up_seconds"] > 0  # every graph ran before the runs
             assert cell["gc_ms"] >= 0 and cell["gc_full"] >= 0
             assert cell["compiled_graphs"] == 0  # (nothing compiles on the CPU; on CUDA, warm_up() compiled them all)
+            split = cell["admit_ms_per_round"] + cell["step_ms_per_round"] + cell["other_ms_per_round"]
+            assert split == pytest.approx(cell["round_ms"]) and cell["step_ms_per_round"] > 0
+            assert cell["admit_ms_per_round"] > 0 and cell["other_ms_per_round"] > 0  # (delivering: outside both)
             assert ("chooser" in cell) == (name == "hardware_aware")
             widths = {int(k) for k in cell["verify_length_histogram"]}
             expected = {"no_spec": {0}, "hardware_aware": {0, 1, 3, 7}}.get(name) or {int(name.split("_")[1])}

@@ -236,7 +236,8 @@ class DSparkEngine:
             self.runner.profiler = RoundProfiler(target.device)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
-        # per round: batch, requests admitted, verify lengths, accepted, drafted?, width, holes, seconds
+        # per round: batch, requests admitted, verify lengths, accepted, drafted?, width, holes, seconds (admission and
+        # round), admit_seconds (the admitted requests' prefill and first tokens), step_seconds (the draft + verify round)
         self.round_log: list[dict] = []
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -359,15 +360,18 @@ class DSparkEngine:
                                   max_new=request.params.max_tokens, stop_ids=request.stop_ids, tag=request)
                 rows.append(request.row)
             self.runner.remove(self._deliver(rows, self.runner.add(rows)))
+        admitted_at = time.perf_counter()
         if self.runner.rows:
             rows = list(self.runner.rows)
             committed = self.runner.step()
             state = self.runner.state
+            now = time.perf_counter()
             self.round_log.append(dict(batch=len(rows), admitted=len(admitted),
                                        verify=[row.drafted[-1] for row in rows],
                                        accepted=[row.accepted[-1] for row in rows],
                                        speculative=self.runner.drafted_last_round, width=state.width,
-                                       holes=state.hole_fraction(), seconds=time.perf_counter() - started))
+                                       holes=state.hole_fraction(), seconds=now - started,
+                                       admit_seconds=admitted_at - started, step_seconds=now - admitted_at))
             self.runner.remove(self._deliver(rows, committed))
 
     def round_profile(self) -> dict[str, float]:
