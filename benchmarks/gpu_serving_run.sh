@@ -40,6 +40,15 @@
 #     (serving_static_h200.json; three calls: c = 4 8 16, 314 s; 128 32 64 256, 389 s; 1 2, 192 s):
 #     SERVING_TIMEOUT=560 ... --model code50m --static --graph-sizes-per-cell 1 --max-new-tokens 64 --repeats 3
 #     --requests-per-slot 4 --no-paged --admission-rows 4 --concurrency 4 8 16 --out $OUT/static_sweep.json
+# 2026-12-03 (fourteenth session): library df8605b, admission groups of 16 with no eager prefill, 64 requests per cell
+#     (serving_static_admission_rows16_h200.json, serving_static_admission_rows4_h200.json and
+#     serving_static_admission_code50m_h200.log; four calls: c = 256 in groups of 4 (cut) and of 16, c = 1 2 (cut);
+#     c = 1 2 and c = 256 in groups of 4 with the eager prefill from 8; c = 256 128; c = 16 64 4 (8 and 32 cut):
+#     SERVING_TIMEOUT=440 ... --model code50m --static --graph-sizes-per-cell 1 --max-new-tokens 64 --repeats 3
+#     --no-paged --policies no_spec fixed_3 fixed_7 hardware_aware --requests-per-slot 4 --min-requests 64
+#     --admission-rows 16 --eager-admission-from 100000 --concurrency 16 64 4 32 8 --out $OUT/mid_rows16.json
+# Next: c = 8 and 32 and fixed γ = 1 with the same settings (one call of about 300 s), then the whole sweep with the
+#     new default eager threshold (8 x --admission-rows).
 set -uo pipefail
 # SERVING_TIMEOUT=S stops the benchmark after S seconds (results are saved after every concurrency); 0: no limit.
 export PYTHONPATH=${DSPARK_SRC:-src}

@@ -638,12 +638,13 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY))
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--requests-per-slot", type=int, default=4, help="requests queued per unit of concurrency")
-    parser.add_argument("--min-requests", type=int, default=0,
-                        help="at least this many requests per cell (a cell of 4 requests at c = 1 lasts 0.1 s on the "
-                             "H200, too short to time)")
+    parser.add_argument("--min-requests", type=int, default=64,
+                        help="at least this many requests per cell (a cell of 4 requests at c = 1 lasted 0.1 s on the "
+                             "H200, too short to time; before 2026-12-03 there was no minimum); 0: none")
     parser.add_argument("--eager-admission-from", type=int, default=None,
                         help="--static: requests of similar lengths joining together from this many on are prefilled "
-                             "in one eager forward instead of admission chunks (StaticRows.eager_admission_from)")
+                             "in one eager forward instead of admission chunks (StaticRows.eager_admission_from; "
+                             "default 8 x --admission-rows, before 2026-12-03 always 8)")
     parser.add_argument("--length-spread", type=float, default=0.5,
                         help="request lengths uniform in max-new-tokens × (1 ± spread); 0: all equal")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per cell")

@@ -623,3 +623,25 @@ def test_static_engine_sampling_matches_target_distribution(monkeypatch):
     accepted = [n for entry in engine.round_log if entry["speculative"] for n in entry["accepted"]]
     assert 0 < sum(accepted) < len(accepted) * 2  # some drafts accepted, some rejected
     assert {entry["verify"][0] for entry in engine.round_log} == {0, 1, 3}
+
+
+def test_static_engine_prefills_a_group_eagerly_only_when_its_chunks_would_take_eight_passes(models, monkeypatch):
+    """Requests of similar lengths joining together go through the admission chunks `static_admission_rows` at a
+    time, or, from 8 × that many on (eight passes), in one eager forward; the outputs stay plain greedy decoding's."""
+    target, drafter = models
+    engine = DSparkEngine(target, drafter, max_batch_size=16, max_model_len=48, static=True, policy="fixed",
+                          static_admission_rows=2, default_sampling={"temperature": 0})
+    runner = engine.runner
+    assert runner.eager_admission_from == 16
+    engine.warm_up(progress=False)
+    eager_groups = []
+    admit = runner.rounds.admit
+    monkeypatch.setattr(runner.rounds, "admit", lambda slots, *rest: eager_groups.append(len(slots)) or admit(slots,
+                                                                                                             *rest))
+    rng = random.Random(7)
+    for count in (15, 16):  # all at once, one length: one group
+        prompts = [[rng.randrange(4, VOCAB_SIZE) for _ in range(6)] for _ in range(count)]
+        handles = [engine.add_request(prompt, max_tokens=4) for prompt in prompts]
+        engine.run()
+        assert [handle.tokens for handle in handles] == [solo(target, prompt, 4) for prompt in prompts]
+    assert eager_groups == [16]  # 15 requests: 8 chunk passes of up to 2 rows; 16: one eager forward

@@ -49,16 +49,17 @@ class StaticRows:
     powers of two below it). Fewer sizes compile fewer graphs; the rounds of a batch that drains then run more free
     rows. Admission (`add`): requests join by `ChunkedAdmission` in chunks of `admission_chunk` tokens (one graph
     whatever their lengths), up to `admission_rows` of similar lengths at once, or, when at least
-    `eager_admission_from` requests of similar lengths join at once, in one eager forward with the others: an eager
-    forward of a small model costs about as much for one prompt as for a few, 10-16 ms on the H200 for the 50M
-    fixture, a chunk well under 1 ms (docs/serving.md)."""
+    `eager_admission_from` requests of similar lengths join at once (default: 8 × `admission_rows`, a group its chunks
+    would take 8 passes to admit), in one eager forward with the others: an eager forward of a small model costs about
+    as much for one prompt as for a few, 10-16 ms on the H200 for the 50M fixture, a chunk well under 1 ms
+    (docs/serving.md)."""
 
     def __init__(self, target: PreTrainedModel, drafter: DSparkDraftModel | None, max_batch_size: int,
                  max_model_len: int, compile: bool | dict = False, attention: str = "auto",
                  fuse_projections: bool | None = None, verify: int | None = None,
                  chooser: RoundWidthChooser | None = None, sampler=None,
                  graph_batch_sizes: Iterable[int] | None = None, admission_chunk: int = 64,
-                 admission_rows: int = 1, eager_admission_from: int = 8):
+                 admission_rows: int = 1, eager_admission_from: int | None = None):
         span = 1 if drafter is None else drafter.config.num_draft_slots + 1  # the most tokens a round runs per row
         self.span, self.batch_size = span, max_batch_size
         if graph_batch_sizes is None:
@@ -68,7 +69,8 @@ class StaticRows:
             raise ValueError(f"graph_batch_sizes must lie in 1..max_batch_size ({max_batch_size}), got "
                              f"{graph_batch_sizes}.")
         self.graph_batch_sizes = tuple(graph_batch_sizes)
-        self.eager_admission_from = eager_admission_from
+        self.eager_admission_from = (8 * min(admission_rows, max_batch_size) if eager_admission_from is None
+                                     else eager_admission_from)
         self.set_policy(verify, chooser)
         window = PENDING_ROUNDS * span if drafter is not None else 0
         # a short prompt's left padding, a round's overshoot past max_tokens, and a flush's reach past the anchor

@@ -190,9 +190,10 @@ class DSparkEngine:
             `max_batch_size`. Each size is one more set of graphs to compile; with fewer, a draining batch's rounds
             run more free rows.
         static_admission_rows: with `static`, how many requests of similar lengths join in one set of chunks (one
-            graph of that many rows, at most `max_batch_size`; the rows fewer requests leave run copies). Default 1.
-            On a small, launch-bound model several cost about what one does; on a large one each row costs its
-            compute.
+            graph of that many rows, at most `max_batch_size`; the rows fewer requests leave run copies); a group of
+            8 × that many or more prefills in one eager forward instead. Default 1. On a small, launch-bound model
+            several cost about what one does (the 50M fixture on the H200 served c = 128-256 best with 16); on a large
+            one each row costs its compute.
     """
 
     def __init__(self, target: PreTrainedModel, drafter: DSparkDraftModel | None = None, tokenizer=None, *,
