@@ -297,19 +297,22 @@ class StaticRows:
                     self._sampled_round(rounds, verify, filtered=any(self.filtered))
                 else:
                     rounds.greedy_round(verify)()
-            record = rounds.record.tolist()  # the round's one synchronisation
+            # the round's one synchronisation: accepted drafts and the up to verify + 1 tokens committed, per row
+            record = rounds.record[:, : verify + 2].tolist()
         seconds = time.perf_counter() - started
         committed, accepted_drafts = [], []
-        for index in occupied:
-            row = self.owner[index]
-            accepted, *tokens = record[index]
-            tokens = tokens[: accepted + 1]
+        owner, pending = self.owner, self.pending
+        for index in occupied:  # (every running row, every round: plain list operations only)
+            row, entry = owner[index], record[index]
+            accepted = entry[0]
+            tokens = entry[1: accepted + 2]
+            remaining = row.max_new - (len(row.ids) - row.prompt_len)
             row.drafted.append(verify)  # (the round's width; drafts past the row's budget are verified, not used)
-            row.accepted.append(min(accepted, max(row.remaining - 1, 0)))  # as the eager rows count them
+            row.accepted.append(min(accepted, max(remaining - 1, 0)))  # as the eager rows count them
             row.ids.extend(tokens)
             committed.append(tokens)
             accepted_drafts.append(accepted)
-            self.pending[index] = self.pending[index] + 1 if verify == 0 else accepted + 1
+            pending[index] = pending[index] + 1 if verify == 0 else accepted + 1
         self.drafted_last_round = verify > 0
         if self.chooser is not None:
             self.chooser.record(verify, seconds, accepted_drafts, count)

@@ -308,6 +308,10 @@ class DSparkEngine:
         done = []
         for row, tokens in zip(rows, committed):
             request: Request = row.tag
+            if request.stop_criteria is None and len(row.ids) - row.prompt_len < row.max_new \
+                    and request.stop_ids.isdisjoint(tokens):  # (most rows, most rounds: no stop among the tokens)
+                request._emit(tokens)
+                continue
             start = len(row.ids) - len(tokens)
             emitted, reason = [], None
             for index in range(start, len(row.ids)):

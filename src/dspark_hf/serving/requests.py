@@ -108,8 +108,7 @@ class Request:
         if not tokens:
             return
         self.tokens.extend(tokens)
-        for token in tokens:
-            self._queue.put(token)
+        self._queue.put(tokens)  # (one put per round: `stream` yields its tokens one by one)
         if self.on_token is not None:
             self.on_token(self.request_id, list(tokens))
 
@@ -138,7 +137,7 @@ class Request:
             item = self._queue.get()
             if item is _END:
                 return
-            yield item
+            yield from item
 
     def result(self) -> RequestOutput:
         """Waits for the request to finish (driving the engine when it has no background loop)."""
