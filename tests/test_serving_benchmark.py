@@ -119,3 +119,14 @@ def test_static_cells_run_every_policy_on_its_own_engine(models, graph_sizes_per
     assert "2" in chooser and all(set(widths) == {"0", "1", "3", "7"} for widths in chooser.values())
     assert set(chooser) == ({"2"} if graph_sizes_per_cell == 1 else {"1", "2"})
     assert all(cell["matched_no_spec"] == 1.0 for name in names[1:] for cell in runs[name])  # float32: lossless
+
+
+def test_engine_host_benchmark_times_stubbed_rounds_that_commit_tokens():
+    """benchmarks/engine_host_cpu.py: the stubbed rounds go through the engine's whole host path (every request
+    receives tokens) and a time per round comes back."""
+    engine_host = pytest.importorskip("engine_host_cpu")
+    delivered = []
+    milliseconds = engine_host.host_ms_per_round(rows=4, rounds=3, repeats=2, on_engine=delivered.append)
+    assert milliseconds > 0
+    (engine,) = delivered
+    assert all(len(request.tokens) > 6 for request in engine.requests.values())  # admission + 6 stubbed rounds
