@@ -20,8 +20,9 @@ Models:
   recorded trace entry: the policy sees the recorded confidences and the round accepts min(l_r, recorded count).
   The target and drafter forwards and the verification run for real at their true shapes: **timing only**.
 
-Protocol (closed loop, c clients): for each concurrency c and policy, `--requests-per-slot` × c requests with
-`max_tokens` (`ignore_eos`: every request generates exactly that many) are queued at once into an engine with
+Protocol (closed loop, c clients): for each concurrency c and policy, `--requests-per-slot` × c requests (at least
+`--min-requests`, default 64) with `max_tokens` (`ignore_eos`: every request generates exactly that many) are queued
+at once into an engine with
 `max_batch_size=c`, so a finished request's slot is refilled from the queue, as in a server under a steady load of c
 requests, until the queue runs dry. (With only c requests, speculation would be measured mostly on its tail: rows
 finish at different rounds and the last rounds run a nearly empty batch, while plain rows all finish together.)
