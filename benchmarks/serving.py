@@ -45,7 +45,8 @@ same run. `hf_paged` is transformers' own continuous batching (paged attention, 
 like ours) on the same requests: the padded-vs-paged comparison of docs/serving.md. The summary ratios are minima
 over every model and concurrency: `scheduler_vs_best_static_min_ratio` (hardware-aware / best of fixed γ ∈ {1,3,7}
 and static threshold) and `scheduler_vs_nospec_min_ratio` (hardware-aware / no speculation); the `steady_` keys are
-the same from `steady_tokens_per_second`.
+the same from `steady_tokens_per_second`; the `paired_` keys divide each repeat by the same repeat of the other
+policies and take each concurrency's median (`paired_summary`).
 
 `--static` measures `DSparkEngine(static=True)` instead (greedy; policies no_spec, fixed γ ∈ {1, 3, 7} and its
 hardware-aware choice among plain rounds and 1, 3 or 7 verified drafts; no static threshold, no trace replay: its
@@ -597,6 +598,33 @@ def summarize(models: dict[str, dict], key: str = "tokens_per_second", prefix: s
             f"{prefix}ratios_by_model": per_model}
 
 
+def paired_summary(models: dict[str, dict]) -> dict:
+    """The same ratios run by run: hardware-aware's tokens/s in each repeat over the best static policy's and over no
+    speculation's in the same repeat (`tokens_per_second_runs`; the policies of one repeat run stepped in turn, so a
+    slow phase of the host hits them alike), and the smallest over concurrencies of each concurrency's median. A
+    noisy repeat moves a ratio of medians taken policy by policy; it moves the median of paired ratios less."""
+    summary, per_model = {"best_static": [], "nospec": []}, {}
+    for name, entry in models.items():
+        runs = {policy: {c["concurrency"]: c.get("tokens_per_second_runs") for c in rows}
+                for policy, rows in entry["results"].items()}
+        ratios = {"scheduler_vs_best_static": {}, "scheduler_vs_nospec": {}}
+        for level, hw in sorted(runs.get("hardware_aware", {}).items()):
+            static = [runs[p][level] for p in STATIC if runs.get(p, {}).get(level)]
+            nospec = runs.get("no_spec", {}).get(level)
+            if not hw or any(len(other) != len(hw) for other in static + ([nospec] if nospec else [])):
+                continue
+            if static:
+                ratios["scheduler_vs_best_static"][str(level)] = [h / max(s) for h, s in zip(hw, zip(*static))]
+            if nospec:
+                ratios["scheduler_vs_nospec"][str(level)] = [h / n for h, n in zip(hw, nospec)]
+        per_model[name] = ratios
+        summary["best_static"] += map(statistics.median, ratios["scheduler_vs_best_static"].values())
+        summary["nospec"] += map(statistics.median, ratios["scheduler_vs_nospec"].values())
+    return {"paired_scheduler_vs_best_static_min_median": min(summary["best_static"], default=None),
+            "paired_scheduler_vs_nospec_min_median": min(summary["nospec"], default=None),
+            "paired_ratios_by_model": per_model}
+
+
 def plot(models: dict[str, dict], path: Path) -> None:
     import matplotlib
 
@@ -729,12 +757,15 @@ def main() -> None:
         )
         payload.update(summarize(payload["models"]))
         payload.update(summarize(payload["models"], "steady_tokens_per_second", "steady_"))
+        payload.update(paired_summary(payload["models"]))
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(payload, indent=2) + "\n")
         plot(payload["models"], out.with_suffix(".png"))
         print({k: payload[k] for k in ("scheduler_vs_best_static_min_ratio", "scheduler_vs_nospec_min_ratio",
                                        "steady_scheduler_vs_best_static_min_ratio",
-                                       "steady_scheduler_vs_nospec_min_ratio")},
+                                       "steady_scheduler_vs_nospec_min_ratio",
+                                       "paired_scheduler_vs_best_static_min_median",
+                                       "paired_scheduler_vs_nospec_min_median")},
               flush=True)
 
     chosen = {name: setting for name, setting in policies(args.threshold, gamma_max).items()

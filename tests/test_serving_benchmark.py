@@ -130,3 +130,24 @@ def test_engine_host_benchmark_times_stubbed_rounds_that_commit_tokens():
     assert milliseconds > 0
     (engine,) = delivered
     assert all(len(request.tokens) > 6 for request in engine.requests.values())  # admission + 6 stubbed rounds
+
+
+def test_paired_summary_divides_each_repeat_by_the_same_repeat_of_the_others():
+    """Repeat k of hardware-aware over the best static policy's repeat k and over no speculation's; the summary is
+    the smallest median over concurrencies. A concurrency whose policies ran different numbers of repeats is left
+    out."""
+    def cells(runs_by_level):
+        return [dict(concurrency=level, tokens_per_second_runs=runs) for level, runs in runs_by_level.items()]
+
+    models = {"m": dict(results={
+        "no_spec": cells({1: [50.0, 50.0, 50.0], 8: [100.0, 100.0]}),
+        "fixed_3": cells({1: [90.0, 120.0, 100.0], 8: [100.0, 100.0]}),
+        "fixed_7": cells({1: [100.0, 100.0, 110.0], 8: [100.0, 100.0]}),
+        "hardware_aware": cells({1: [95.0, 120.0, 121.0], 8: [90.0, 100.0, 110.0]}),
+    })}
+    summary = serving.paired_summary(models)
+    ratios = summary["paired_ratios_by_model"]["m"]
+    assert ratios["scheduler_vs_best_static"] == {"1": pytest.approx([0.95, 1.0, 1.1])}  # 8: 3 repeats against 2
+    assert ratios["scheduler_vs_nospec"] == {"1": pytest.approx([1.9, 2.4, 2.42])}
+    assert summary["paired_scheduler_vs_best_static_min_median"] == pytest.approx(1.0)
+    assert summary["paired_scheduler_vs_nospec_min_median"] == pytest.approx(2.4)
