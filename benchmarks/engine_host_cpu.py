@@ -13,6 +13,7 @@ over `--processes` fresh processes (a shared machine's speed varies from process
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import subprocess
 import sys
@@ -39,7 +40,7 @@ def host_ms_per_round(rows: int, rounds: int, repeats: int, on_engine=None) -> f
         geometric = torch.distributions.Geometric(0.5).sample((record.shape[0],)).clamp(max=record.shape[1] - 2)
         fake[:, 0] = geometric.long()
         recorded.append(fake)
-    count = iter(range(10**9))
+    count = itertools.count()
 
     def stub(verify: int):
         return lambda: record.copy_(recorded[next(count) % len(recorded)])

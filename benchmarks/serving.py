@@ -77,7 +77,9 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -576,6 +578,20 @@ def merge_cells(earlier: dict[str, list[dict]], new: dict[str, list[dict]]) -> d
     return merged
 
 
+def hardware_aware_ratios(by: dict[str, dict[int, Any]], divide: Callable, best: Callable = max
+                          ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Per concurrency (`by`: policy -> concurrency -> measurement), hardware-aware's measurement divided by the best
+    static policy's (`best` of theirs) and by no speculation's; `divide(hardware_aware, other)`."""
+    static_ratio, nospec_ratio = {}, {}
+    for level, hw in sorted(by.get("hardware_aware", {}).items()):
+        static = [by[p][level] for p in STATIC if level in by.get(p, {})]
+        if static:
+            static_ratio[str(level)] = divide(hw, best(static))
+        if level in by.get("no_spec", {}):
+            nospec_ratio[str(level)] = divide(hw, by["no_spec"][level])
+    return static_ratio, nospec_ratio
+
+
 def summarize(models: dict[str, dict], key: str = "tokens_per_second", prefix: str = "") -> dict:
     """The issue's ratios from whole-run tokens/s; with `key="steady_tokens_per_second", prefix="steady_"` the
     same from full-load rounds."""
@@ -583,13 +599,7 @@ def summarize(models: dict[str, dict], key: str = "tokens_per_second", prefix: s
     for name, entry in models.items():
         by = {policy: {c["concurrency"]: c[key] for c in rows if c.get(key)}
               for policy, rows in entry["results"].items()}
-        static_ratio, nospec_ratio = {}, {}
-        for level, hw in sorted(by.get("hardware_aware", {}).items()):
-            static = [by[p][level] for p in STATIC if level in by.get(p, {})]
-            if static:
-                static_ratio[str(level)] = hw / max(static)
-            if level in by.get("no_spec", {}):
-                nospec_ratio[str(level)] = hw / by["no_spec"][level]
+        static_ratio, nospec_ratio = hardware_aware_ratios(by, lambda hw, other: hw / other)
         per_model[name] = dict(scheduler_vs_best_static=static_ratio, scheduler_vs_nospec=nospec_ratio)
         vs_static += static_ratio.values()
         vs_nospec += nospec_ratio.values()
@@ -603,25 +613,21 @@ def paired_summary(models: dict[str, dict]) -> dict:
     speculation's in the same repeat (`tokens_per_second_runs`; the policies of one repeat run stepped in turn, so a
     slow phase of the host hits them alike), and the smallest over concurrencies of each concurrency's median. A
     noisy repeat moves a ratio of medians taken policy by policy; it moves the median of paired ratios less."""
-    summary, per_model = {"best_static": [], "nospec": []}, {}
+    vs_static, vs_nospec, per_model = [], [], {}
     for name, entry in models.items():
-        runs = {policy: {c["concurrency"]: c.get("tokens_per_second_runs") for c in rows}
-                for policy, rows in entry["results"].items()}
-        ratios = {"scheduler_vs_best_static": {}, "scheduler_vs_nospec": {}}
-        for level, hw in sorted(runs.get("hardware_aware", {}).items()):
-            static = [runs[p][level] for p in STATIC if runs.get(p, {}).get(level)]
-            nospec = runs.get("no_spec", {}).get(level)
-            if not hw or any(len(other) != len(hw) for other in static + ([nospec] if nospec else [])):
-                continue
-            if static:
-                ratios["scheduler_vs_best_static"][str(level)] = [h / max(s) for h, s in zip(hw, zip(*static))]
-            if nospec:
-                ratios["scheduler_vs_nospec"][str(level)] = [h / n for h, n in zip(hw, nospec)]
-        per_model[name] = ratios
-        summary["best_static"] += map(statistics.median, ratios["scheduler_vs_best_static"].values())
-        summary["nospec"] += map(statistics.median, ratios["scheduler_vs_nospec"].values())
-    return {"paired_scheduler_vs_best_static_min_median": min(summary["best_static"], default=None),
-            "paired_scheduler_vs_nospec_min_median": min(summary["nospec"], default=None),
+        by = {policy: {c["concurrency"]: c["tokens_per_second_runs"] for c in rows if c.get("tokens_per_second_runs")}
+              for policy, rows in entry["results"].items()}
+        hardware_aware = by.get("hardware_aware", {})
+        for level, hw in list(hardware_aware.items()):  # (a concurrency whose policies ran other repeats: left out)
+            if any(len(runs.get(level, hw)) != len(hw) for runs in by.values()):
+                del hardware_aware[level]
+        static_ratio, nospec_ratio = hardware_aware_ratios(
+            by, lambda hw, other: [h / o for h, o in zip(hw, other)], best=lambda runs: list(map(max, zip(*runs))))
+        per_model[name] = dict(scheduler_vs_best_static=static_ratio, scheduler_vs_nospec=nospec_ratio)
+        vs_static += map(statistics.median, static_ratio.values())
+        vs_nospec += map(statistics.median, nospec_ratio.values())
+    return {"paired_scheduler_vs_best_static_min_median": min(vs_static, default=None),
+            "paired_scheduler_vs_nospec_min_median": min(vs_nospec, default=None),
             "paired_ratios_by_model": per_model}
 
 
