@@ -151,3 +151,8 @@ def test_paired_summary_divides_each_repeat_by_the_same_repeat_of_the_others():
     assert ratios["scheduler_vs_nospec"] == {"1": pytest.approx([1.9, 2.4, 2.42])}
     assert summary["paired_scheduler_vs_best_static_min_median"] == pytest.approx(1.0)
     assert summary["paired_scheduler_vs_nospec_min_median"] == pytest.approx(2.4)
+
+
+def test_engine_host_benchmark_times_the_width_chooser():
+    engine_host = pytest.importorskip("engine_host_cpu")
+    assert engine_host.chooser_us_per_round(rows=4, rounds=200, repeats=1) > 0
