@@ -71,6 +71,7 @@ import argparse
 import contextlib
 import functools
 import gc
+import gzip
 import json
 import statistics
 import sys
@@ -503,10 +504,22 @@ def run_eager_cells(target, drafter, prompts, concurrency: int, chosen: dict[str
     return runs
 
 
-def run_static_cells(target, drafter, prompts, concurrency: int, names: list[str], args) -> dict[str, list[dict]]:
+COMPACT_COLUMNS = ["ended_ms", "rows", "admitted", "verify", "accepted", "admit_ms", "step_ms"]
+
+
+def compact_round_log(log: list[dict], origin: float) -> list[list]:
+    """One round per entry: [ms since `origin` at its end, rows, requests admitted, verified drafts (the widest
+    row's), drafts accepted in all, admission ms, draft + verify ms]."""
+    return [[round(1e3 * (e["ended"] - origin), 3), e["batch"], e["admitted"], max(e["verify"], default=0),
+             sum(e["accepted"]), round(1e3 * e["admit_seconds"], 4), round(1e3 * e["step_seconds"], 4)] for e in log]
+
+
+def run_static_cells(target, drafter, prompts, concurrency: int, names: list[str], args,
+                     round_logs: dict | None = None) -> dict[str, list[dict]]:
     """`--static`: one engine per policy, kept for this concurrency; each compiles its graphs (`warm_up`), then a
     warm-up run and `--repeats` timed runs of all policies, stepped in turn (`step_in_turn`, the first engine rotating
-    from run to run), or with `--sequential` one after another (in a rotating order)."""
+    from run to run), or with `--sequential` one after another (in a rotating order). `round_logs`, when given,
+    receives every run's round logs (`compact_round_log`), warm-up run included, by policy."""
     longest = max(map(len, prompts)) + max(request_lengths(request_count(concurrency, args), args))
     # --dynamic-batch: dynamo's automatic dynamic shapes: a width's first two row prefixes compile (the second with a
     # symbolic batch size, which the larger ones reuse), and CUDA graphs are still recorded per prefix
@@ -536,6 +549,7 @@ def run_static_cells(target, drafter, prompts, concurrency: int, names: list[str
             engine.round_log.clear()
         first = repeat % len(names)  # the policy that goes first rotates from run to run
         order = names[first:] + names[:first]
+        origin = time.perf_counter()
         if args.sequential:
             seconds, pauses = {}, {}
             for name in order:
@@ -544,6 +558,9 @@ def run_static_cells(target, drafter, prompts, concurrency: int, names: list[str
                 pauses |= part_pauses
         else:
             seconds, pauses = step_in_turn({name: engines[name] for name in order})
+        if round_logs is not None:
+            for name, engine in engines.items():
+                round_logs.setdefault(name, []).append(compact_round_log(engine.round_log, origin))
         if repeat < 0:
             continue
         tokens = {name: [handle.tokens for handle in handles[name]] for name in names}
@@ -708,6 +725,7 @@ def main() -> None:
     parser.add_argument("--admission-rows", type=int, default=1,
                         help="--static: DSparkEngine's static_admission_rows (requests joining together run their "
                              "admission chunks as one graph of this many rows; capped at the concurrency)")
+    parser.add_argument("--round-logs", help="--static: a .json.gz path for every run's round logs (compact_round_log)")
     parser.add_argument("--out", help="JSON path (default benchmarks/results/serving_h200.json, "
                         "serving_static_h200.json with --static; a temp dir for smoke)")
     args = parser.parse_args()
@@ -738,6 +756,7 @@ def main() -> None:
     gamma_max = drafter.config.num_draft_slots
 
     results: dict[str, list[dict]] = {}
+    all_round_logs: dict[str, dict] = {}  # --round-logs: concurrency -> policy -> runs (the warm-up run first)
     recorded: list[AcceptanceTrace] = []
     breakdown, paged = [], []
 
@@ -780,7 +799,12 @@ def main() -> None:
         # concurrency outside, policies inside: the policies compared at one concurrency run minutes apart at most
         for concurrency in args.concurrency:
             if args.static:
-                runs = run_static_cells(target, drafter, prompts, concurrency, list(chosen), args)
+                logs = all_round_logs.setdefault(str(concurrency), {}) if args.round_logs else None
+                runs = run_static_cells(target, drafter, prompts, concurrency, list(chosen), args, logs)
+                if args.round_logs:
+                    with gzip.open(args.round_logs, "wt") as file:
+                        json.dump(dict(environment=environment(), columns=COMPACT_COLUMNS,
+                                       runs=all_round_logs), file)
             else:
                 runs = run_eager_cells(target, drafter, prompts, concurrency, chosen, args, sps_table, trace,
                                        recorded)

@@ -2,6 +2,10 @@
 engine whose drafter accepts nothing, and the round breakdown with a replayed trace (tiny random models, CPU)."""
 
 import argparse
+import gzip
+import itertools
+import json
+import operator
 import sys
 from pathlib import Path
 
@@ -93,14 +97,22 @@ def test_static_cells_run_every_policy_on_its_own_engine(models, graph_sizes_per
     """`--static`: each policy's runs (warm-up first) on its own engine kept for the concurrency, stepped in turn (or
     one after another); fixed γ verifies γ drafts per round, no speculation none, the hardware-aware chooser any of
     its widths, and every request gets its length. `--graph-sizes-per-cell 1`: every round runs all the
-    concurrency's rows; `--admission-rows 2`: requests joining together share their admission chunks."""
+    concurrency's rows; `--admission-rows 2`: requests joining together share their admission chunks. The compact
+    round logs hold every run's rounds, warm-up run first."""
     target, drafter, prompts = models
     args = argparse.Namespace(**vars(ARGS), repeats=2, dynamic_batch=False, admission_batch=1,  # (CPU: no compile)
                               graph_sizes_per_cell=graph_sizes_per_cell, sequential=sequential,
                               admission_rows=admission_rows, eager_admission_from=None)
     names = ["no_spec", "fixed_1", "fixed_3", "fixed_7", "hardware_aware"]
-    runs = serving.run_static_cells(target, drafter, prompts, 2, names, args)
+    logs = {}
+    runs = serving.run_static_cells(target, drafter, prompts, 2, names, args, logs)
     lengths = serving.request_lengths(4, ARGS)
+    assert set(logs) == set(names) and all(len(log) == 3 for log in logs.values())  # the warm-up run + 2
+    for name in names:
+        ended, rows, admitted, verify, accepted, admit_ms, step_ms = zip(*logs[name][-1])
+        assert len(ended) == runs[name][-1]["rounds"] and list(ended) == sorted(ended) and min(step_ms) > 0
+        assert sum(admitted) == 4 and sum(accepted) + sum(rows) == runs[name][-1]["generated_tokens"] - 4
+        assert set(verify) == {int(k) for k in runs[name][-1]["verify_length_histogram"]}
     for name in names:
         assert len(runs[name]) == 2
         for cell in runs[name]:
@@ -156,3 +168,22 @@ def test_paired_summary_divides_each_repeat_by_the_same_repeat_of_the_others():
 def test_engine_host_benchmark_times_the_width_chooser():
     engine_host = pytest.importorskip("engine_host_cpu")
     assert engine_host.chooser_us_per_round(rows=4, rounds=200, repeats=1) > 0
+
+
+def test_chooser_replay_runs_the_chooser_on_measured_round_times():
+    """benchmarks/chooser_replay.py on the committed H200 round logs: the fitted hazards reproduce the measured tokens
+    per row, the fixed widths' replayed rates order as the GPU measured them (fixed γ = 7 first at c = 64), and the
+    chooser's rate and rounds come back."""
+    replay = pytest.importorskip("chooser_replay")
+    path = serving.RESULTS / "serving_static_round_logs_h200.json.gz"
+    logs = json.load(gzip.open(path, "rt"))
+    cells = json.loads(path.with_suffix("").read_text())["models"]["code50m"]["results"]["hardware_aware"]
+    measured = next(cell for cell in cells if cell["concurrency"] == 64)["chooser"]["64"]
+    tokens_per_row = {int(width): entry["tokens_per_row"] for width, entry in measured.items()}
+    survival = list(itertools.accumulate(replay.fitted_hazards(tokens_per_row), operator.mul))
+    for width in (1, 3, 7):
+        assert 1 + sum(survival[:width]) == pytest.approx(tokens_per_row[width], abs=1e-6)
+    report = replay.replay_concurrency(logs["runs"]["64"], tokens_per_row, 64)
+    rates = report["tokens_per_second"]
+    assert report["best_fixed"] == 7 and rates["fixed_7"] > rates["fixed_3"] > rates["fixed_0"]
+    assert 0.9 < report["chooser_over_best_fixed"] < 1.1 and sum(report["chooser_rounds"].values()) > 500

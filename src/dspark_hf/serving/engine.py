@@ -238,7 +238,8 @@ class DSparkEngine:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         # per round: batch, requests admitted, verify lengths, accepted, drafted?, width, holes, seconds (admission and
-        # round), admit_seconds (the admitted requests' prefill and first tokens), step_seconds (the draft + verify round)
+        # round), admit_seconds (the admitted requests' prefill and first tokens), step_seconds (the draft + verify round),
+        # ended (time.perf_counter() at the round's end)
         self.round_log: list[dict] = []
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -376,7 +377,8 @@ class DSparkEngine:
                                        accepted=[row.accepted[-1] for row in rows],
                                        speculative=self.runner.drafted_last_round, width=state.width,
                                        holes=state.hole_fraction(), seconds=now - started,
-                                       admit_seconds=admitted_at - started, step_seconds=now - admitted_at))
+                                       admit_seconds=admitted_at - started, step_seconds=now - admitted_at,
+                                       ended=now))
             self.runner.remove(self._deliver(rows, committed))
 
     def round_profile(self) -> dict[str, float]:
