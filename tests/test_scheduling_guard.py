@@ -170,11 +170,15 @@ def test_width_chooser_estimates_acceptance_from_verified_drafts():
 ])
 def test_width_chooser_settles_on_the_fastest_width_and_refreshes_the_others(seconds, hazards, best):
     chooser = RoundWidthChooser(tuple(seconds), refresh_every=50)
-    chosen = drive_widths(chooser, 600, seconds, hazards)
+    chosen = drive_widths(chooser, 1200, seconds, hazards)
     assert chosen[:20] == [width for width in sorted(seconds) for _ in range(5)]  # 2 warm-up + 3 timed each
     settled = chosen[20:]
     assert settled.count(best) > 0.95 * len(settled)
-    assert set(settled) == set(seconds)  # the others are run again now and then
+    assert set(settled) == set(seconds)  # the others are run again now and then, the farther behind the rarer
+    expected = {v: (1 + sum(_survival(hazards)[:v])) / seconds[v] for v in seconds}
+    refreshes = {v: settled.count(v) for v in seconds if v != best}
+    nearest, farthest = max(refreshes, key=expected.get), min(refreshes, key=expected.get)
+    assert refreshes[nearest] >= refreshes[farthest]
     expected = {v: (1 + sum(_survival(hazards)[:v])) / seconds[v] for v in seconds}
     assert max(expected, key=expected.get) == best  # the case is what it claims
 
@@ -202,7 +206,7 @@ def test_width_chooser_times_a_width_again_when_a_refresh_shows_its_times_are_st
     seconds = {0: 1.0, 3: 1.4, 7: 1.4}
     chooser = RoundWidthChooser(tuple(seconds), refresh_every=32)
     rng, runs, chosen = random.Random(0), dict.fromkeys(seconds, 0), []
-    for _ in range(200):
+    for _ in range(300):
         width = chooser.choose()
         runs[width] += 1
         stale = width == 7 and runs[width] <= 5  # (2 warm-up rounds and the 3 timed ones)
@@ -210,14 +214,17 @@ def test_width_chooser_times_a_width_again_when_a_refresh_shows_its_times_are_st
         chooser.record(width, 2.4 if stale else seconds[width], accepted)
         chosen.append(width)
     assert chosen[15:30].count(3) >= 14  # settled on 3 from 7's stale times
-    assert chosen[-100:].count(7) >= 95  # ... and moved to 7 after its first refresh
+    assert chosen[-100:].count(7) >= 95  # ... and moved to 7 after its first refresh (7 is 18 % behind on its
+    # stale times: its first refresh waits 32 x (1 + 0.18 / 0.05) rounds)
     assert chooser.summary()[0][7]["round_ms"] == pytest.approx(1400)
 
 
 def test_width_chooser_does_not_change_its_choice_on_noise_between_equal_widths():
     """Widths 3 and 7 commit the same tokens per second (all drafts accepted, 7 takes twice as long), round times
-    are noisy (log-normal, σ = 0.15): without a margin the choice follows the noise, and every change restarts the
-    refreshes; with the default 2 % it changes about half as often (over 8 seeds of 1000 rounds)."""
+    are noisy (log-normal, σ = 0.15). A width that looks better is timed afresh before it replaces the choice, and
+    must then be `switch_margin` (2 %) better: over 8 seeds of 1000 rounds the choice changes in under 1 % of the
+    rounds (76 changes; 75 without the margin: the confirmation does most of the work. Before it, 151 changes with
+    the margin and 237 without.)"""
     def changes(margin: float) -> int:
         total = 0
         for seed in range(8):
@@ -229,7 +236,27 @@ def test_width_chooser_does_not_change_its_choice_on_noise_between_equal_widths(
             total += sum(1 for before, after in zip(chosen, chosen[1:]) if before != after)
         return total
 
-    assert changes(RoundWidthChooser((3,)).switch_margin) < 0.7 * changes(0.0)
+    assert changes(RoundWidthChooser((3,)).switch_margin) < 0.01 * 8000
+
+
+def test_width_chooser_compares_widths_with_the_choice_timed_around_them():
+    """The machine slows by a fifth over 700 rounds (every width alike). Width 7 is the best by about 9 %; widths
+    0, 1 and 3 are refreshed now and then. Their kept times are relative to the choice's rounds around them, so the
+    drift does not make them look faster than width 7, whose own times are recent: after the first 100 rounds, at
+    most 3 % of the rounds run another width (each seed of 6), as without drift."""
+    hazards = [0.45, 0.47, 0.47, 0.68, 0.68, 0.68, 0.68]
+    seconds = {0: 1.5, 1: 2.1, 3: 2.16, 7: 2.17}
+    for drift in (0.0, 0.2):
+        for seed in range(6):
+            rng, chooser, others = random.Random(seed), RoundWidthChooser(tuple(seconds)), 0
+            for index in range(700):
+                width = chooser.choose(64)
+                accepted = [sum(1 for _ in itertools.takewhile(lambda j: rng.random() < hazards[j], range(width)))
+                            for _ in range(64)]
+                chooser.record(width, seconds[width] * (1 + drift * index / 700) * rng.lognormvariate(0, 0.05),
+                               accepted, 64)
+                others += index >= 100 and width != 7
+            assert others <= 0.03 * 600, (drift, seed, others)
 
 
 def test_width_chooser_compares_rates_only_every_few_rounds_once_settled(monkeypatch):
@@ -242,15 +269,18 @@ def test_width_chooser_compares_rates_only_every_few_rounds_once_settled(monkeyp
         calls = []
         expected_tokens = chooser.expected_tokens
         monkeypatch.setattr(chooser, "expected_tokens", lambda width: calls.append(width) or expected_tokens(width))
-        chosen = drive_widths(chooser, 600, seconds, [0.9] * 7)
+        chosen = drive_widths(chooser, 1200, seconds, [0.9] * 7)
         return len(calls), chosen
 
     every_round, chosen_every_round = comparisons(1)
     every_eighth, chosen = comparisons(8)
     assert every_eighth < 0.3 * every_round
     assert chosen.count(7) > 0.95 * (len(chosen) - 20) and set(chosen[20:]) == set(seconds)  # settled, refreshed
-    assert [i for i, width in enumerate(chosen) if width != 7] == \
-        [i for i, width in enumerate(chosen_every_round) if width != 7]  # the same refresh rounds
+    refreshes = [i for i, width in enumerate(chosen) if width != 7]
+    refreshes_every_round = [i for i, width in enumerate(chosen_every_round) if width != 7]
+    assert [chosen[i] for i in refreshes] == [chosen_every_round[i] for i in refreshes_every_round]
+    # the same refreshes, within a round or two: a refresh's wait depends on the gap in rates when they are compared
+    assert all(abs(i - j) <= 2 for i, j in zip(refreshes, refreshes_every_round))
 
 
 def test_width_chooser_times_each_number_of_rows_apart():

@@ -7,24 +7,34 @@ round, the v with the most expected committed tokens per second,
 
     (1 + S_1 + ... + S_v) / t(v),
 
-where t(v) is the median of v's last measured round times and S_j the probability that a row accepts its first j
-drafts, estimated from every verified draft of recent rounds (hazards h_j = P(draft j accepted | drafts < j were),
-S_j = h_1 ... h_j; counts decay so that the estimate follows the text). A plain round commits one token per row.
+where t(v) is v's round time and S_j the probability that a row accepts its first j drafts, estimated from every
+verified draft of recent rounds (hazards h_j = P(draft j accepted | drafts < j were), S_j = h_1 ... h_j; counts decay
+so that the estimate follows the text). A plain round commits one token per row.
 
-Round times are kept per number of rows the rounds run (`rows`: the engine runs the smallest power-of-two prefix of
-its rows that holds every request), acceptance across them. Every width is measured first (`warmup` discarded rounds:
-a compiled round's first calls compile and capture, then `samples`); a number of rows not yet measured at some width
-borrows that width's time from the nearest one that is (the larger of two equally near), so that a batch draining
-to fewer rows does not explore again. After that, each other width is run again once `refresh_every` rounds (at this
-number of rows) have passed since it last ran there, so that neither its time nor the acceptance of drafts it
-would verify goes stale; every refresh that does not change the choice doubles that width's interval (up to
-`max_refresh_every`), and a change of choice resets them all. A refresh faster than every round time kept for its
-width means those times are stale (e.g. measured while the machine was still warming up): they are dropped and the
-width is timed again (`samples` rounds in a row) before the next choice that reads it; one refresh alone would take
-half a window (a dozen) of doubling intervals to move the median. A width replaces the current choice only when its expected
-rate is `switch_margin` higher: a change of choice on noise alone would restart the refreshes of every width. Once a
-choice is made it stands for `decide_every` rounds (or until a refresh is due) without recomputing the rates: the engine
-asks every round, and a round of a small model on a GPU lasts about a millisecond.
+Round times drift: on the H200 machine every width's rounds slowed by a fifth within a few seconds, while a width
+that is not chosen runs only now and then. So only the chosen width's time is kept as such (the median of its last
+`reference_rounds` rounds); every other width's rounds are kept as their log time minus the log of that median when
+they ran, i.e. relative to the choice as it ran around them. t(v) above is the chosen width's time times v's relative
+cost (the exponential of the median of its last `window` relative log times). When the choice changes, every kept
+value is re-expressed relative to the new choice.
+
+Times are kept per number of rows the rounds run (`rows`: the engine runs the smallest power-of-two prefix of its
+rows that holds every request), acceptance across them. Every width is measured first (`warmup` discarded rounds: a
+compiled round's first calls compile and capture, then `samples`); a number of rows not yet measured at some width
+borrows that width's cost from the nearest one that is (the larger of two equally near), so that a batch draining to
+fewer rows does not explore again. After that, each other width is run again once its wait has passed since it last
+ran there, so that neither its time nor the acceptance of drafts it would verify goes stale. The wait is
+`refresh_every` rounds (at this number of rows), doubled by every refresh that does not change the choice (up to
+`max_refresh_every`; a change of choice resets them all). From the second refresh after a change of choice on, the
+wait is stretched by 1 + gap / `refresh_gap` for a width whose expected rate is a fraction `gap` below the choice's:
+a refresh costs about gap of a round, so each width's refreshes cost at most about refresh_gap / wait of the rounds,
+however far behind it is (the first refresh comes unstretched, since the width's times may be stale). A refresh faster than every time kept
+for its width means those times are stale (e.g. measured while the machine was still warming up): they are dropped
+and the width is timed again (`samples` rounds in a row) before the next choice that reads it. A width replaces the
+current choice only when its expected rate is `switch_margin` higher: a change of choice on noise alone would restart
+the refreshes of every width. Once a choice is made it stands for `decide_every` rounds (or until a refresh is due)
+without recomputing the rates: the engine asks every round, and a round of a small model on a GPU lasts about a
+millisecond.
 """
 
 from __future__ import annotations
@@ -43,29 +53,36 @@ class RoundWidthChooser:
         widths: the candidate numbers of verified drafts, e.g. (0, 1, 3, 7).
         warmup: first rounds of each width not timed (compilation, graph capture).
         samples: timed rounds of each width before the choice is made on the measurements.
-        window: round times kept per width; their median is used.
+        window: relative round times kept per width; their median is used.
         decay: factor on the acceptance counts at every speculative round: 0.99 remembers about the last hundred.
         refresh_every: rounds after which a width that is not chosen is run again, after a change of choice.
-        max_refresh_every: the longest such interval.
+        max_refresh_every: the longest such wait.
+        refresh_gap: a width whose expected rate is a fraction gap below the choice's waits 1 + gap / refresh_gap
+            times as long.
         switch_margin: how much more a width's expected rate must be than the current choice's to replace it: round
             times are noisy, and each change of choice restarts the refreshes.
         decide_every: rounds a choice stands before the rates are compared again (refreshes still run when due);
             the acceptance estimate remembers about 1 / (1 - decay) rounds, so a few rounds' delay changes little.
+        reference_rounds: the chosen width's last rounds whose median is its time, and the reference of the others.
     """
 
     def __init__(self, widths: tuple[int, ...], warmup: int = 2, samples: int = 3, window: int = 25,
                  decay: float = 0.99, refresh_every: int = 32, max_refresh_every: int = 1024,
-                 switch_margin: float = 0.02, decide_every: int = 8):
+                 refresh_gap: float = 0.05, switch_margin: float = 0.02, decide_every: int = 8,
+                 reference_rounds: int = 9):
         if not widths or min(widths) < 0 or samples < 1 or window < samples or not 0 < decay <= 1 \
-                or not 1 <= refresh_every <= max_refresh_every or switch_margin < 0 or decide_every < 1:
+                or not 1 <= refresh_every <= max_refresh_every or refresh_gap <= 0 or switch_margin < 0 \
+                or decide_every < 1 or reference_rounds < 1:
             raise ValueError("RoundWidthChooser needs widths >= 0, samples >= 1, window >= samples, 0 < decay <= 1, "
-                             "1 <= refresh_every <= max_refresh_every, switch_margin >= 0 and decide_every >= 1.")
+                             "1 <= refresh_every <= max_refresh_every, refresh_gap > 0, switch_margin >= 0, "
+                             "decide_every >= 1 and reference_rounds >= 1.")
         self.widths = tuple(sorted(set(widths)))
         self.warmup, self.samples, self.decay = warmup, samples, decay
-        self.refresh_every, self.max_refresh_every = refresh_every, max_refresh_every
+        self.refresh_every, self.max_refresh_every, self.refresh_gap = refresh_every, max_refresh_every, refresh_gap
         self.window = window
         self.switch_margin = switch_margin
         self.decide_every = decide_every
+        self.reference_rounds = reference_rounds
         self._buckets: dict[int, _WidthTimes] = {}
         # Plain Python floats: the engine asks every round, and a few dozen small torch operations on the host
         # cost about as much as a compiled round of a small model (~0.5 ms).
@@ -88,17 +105,27 @@ class RoundWidthChooser:
 
     def _bucket(self, rows: int) -> _WidthTimes:
         if rows not in self._buckets:
-            self._buckets[rows] = _WidthTimes(self.widths, self.window, self.refresh_every, self.samples)
+            self._buckets[rows] = _WidthTimes(self.widths, self.window, self.refresh_every, self.samples,
+                                              self.reference_rounds)
         return self._buckets[rows]
 
-    def throughput(self, width: int, rows: int = 0) -> float | None:
-        """Expected committed tokens per second and row for `width` in rounds of `rows` rows; until those are
-        measured, from the nearest number of rows where they are (None: nowhere yet)."""
-        measured = [count for count, bucket in self._buckets.items() if bucket.median(width) is not None]
+    def _seconds(self, width: int, rows: int) -> float | None:
+        """`width`'s current round time at `rows` rows; until it is measured there, from the nearest number of rows
+        where it is (None: nowhere yet)."""
+        own = self._buckets[rows].seconds(width) if rows in self._buckets else None
+        if own is not None:
+            return own
+        measured = [count for count, bucket in self._buckets.items() if bucket.seconds(width) is not None]
         if not measured:
             return None
         nearest = min(measured, key=lambda count: (abs(math.log2(max(count, 1) / max(rows, 1))), -count))
-        return self.expected_tokens(width) / self._buckets[nearest].median(width)
+        return self._buckets[nearest].seconds(width)
+
+    def throughput(self, width: int, rows: int = 0) -> float | None:
+        """Expected committed tokens per second and row for `width` in rounds of `rows` rows (None: not measured
+        yet)."""
+        seconds = self._seconds(width, rows)
+        return None if seconds is None else self.expected_tokens(width) / seconds
 
     def choose(self, rows: int = 0) -> int:
         """The number of drafts the next round (of `rows` rows) verifies."""
@@ -106,24 +133,36 @@ class RoundWidthChooser:
         bucket.rounds += 1
         if bucket.rounds < bucket.settled_until:
             return bucket.best
-        medians = {width: bucket.median(width) for width in self.widths}
-        rates = {width: self.expected_tokens(width) / median if median is not None else self.throughput(width, rows)
-                 for width, median in medians.items()}  # (this number of rows' own times when it has them)
-        unmeasured = [width for width, rate in rates.items() if rate is None]
+        times = {width: self._seconds(width, rows) for width in self.widths}
+        unmeasured = [width for width, seconds in times.items() if seconds is None]
         if unmeasured or bucket.retiming:
             return min(unmeasured or bucket.retiming)
+        rates = {width: self.expected_tokens(width) / seconds for width, seconds in times.items()}
         best = max(self.widths, key=rates.__getitem__)
         if bucket.best is not None and rates[best] < (1 + self.switch_margin) * rates[bucket.best]:
             best = bucket.best
+        if best != bucket.best and bucket.best is not None and bucket.confirming != best:
+            bucket.confirming = best  # time it afresh (`samples` rounds in a row) before it replaces the choice
+            bucket.relative[best].clear()
+            bucket.stale.add(best)
+            bucket.retiming.add(best)
+            return best
+        bucket.confirming = None
         if best != bucket.best:
-            bucket.best, bucket.interval = best, dict.fromkeys(self.widths, self.refresh_every)
+            bucket.choose(best, times[best])
+            bucket.interval = dict.fromkeys(self.widths, self.refresh_every)
+        due = {}
         for width in self.widths:
-            if width != best and bucket.rounds - bucket.last_run[width] >= bucket.interval[width]:
-                bucket.interval[width] = min(2 * bucket.interval[width], self.max_refresh_every)
-                return width
-        due = min((bucket.last_run[width] + bucket.interval[width] for width in self.widths if width != best),
-                  default=bucket.rounds + self.decide_every)
-        bucket.settled_until = min(bucket.rounds + self.decide_every, due)
+            if width != best:
+                wait = bucket.interval[width]
+                if wait > self.refresh_every:  # (the first refresh after a change checks the width's old times)
+                    gap = max(0.0, 1.0 - rates[width] / rates[best])
+                    wait = min(wait * (1 + gap / self.refresh_gap), self.max_refresh_every)
+                due[width] = bucket.last_run[width] + wait
+                if bucket.rounds >= due[width]:
+                    bucket.interval[width] = min(2 * bucket.interval[width], self.max_refresh_every)
+                    return width
+        bucket.settled_until = min(bucket.rounds + self.decide_every, *due.values())
         return best
 
     def record(self, width: int, seconds: float, accepted: list[int], rows: int = 0) -> None:
@@ -135,14 +174,7 @@ class RoundWidthChooser:
         if width != bucket.best:
             bucket.settled_until = 0  # (a refresh or a first measurement: decide again next round)
         if bucket.runs[width] > self.warmup:
-            times = bucket.times[width]
-            if width != bucket.best and len(times) >= self.samples and seconds < min(times):
-                times.clear()  # a refresh faster than every kept time: they are stale, time this width again
-                bucket.retiming.add(width)
-            times.append(seconds)
-            bucket.stale.add(width)
-            if len(times) >= self.samples:
-                bucket.retiming.discard(width)
+            bucket.add(width, math.log(seconds))
         if width == 0 or not accepted:
             return
         self._reached = [count * self.decay for count in self._reached]
@@ -156,35 +188,86 @@ class RoundWidthChooser:
         self._expected = None
 
     def summary(self) -> dict[int, dict[int, dict[str, float | None]]]:
-        """Per number of rows, per width: median round milliseconds, expected tokens per row, and tokens per second
+        """Per number of rows, per width: current round milliseconds, expected tokens per row, and tokens per second
         per row."""
-        return {rows: {width: {"round_ms": 1e3 * statistics.median(times) if times else None,
+        return {rows: {width: {"round_ms": None if bucket.seconds(width) is None else 1e3 * bucket.seconds(width),
                                "tokens_per_row": self.expected_tokens(width),
                                "tokens_per_second_per_row": self.throughput(width, rows)}
-                       for width, times in bucket.times.items()}
+                       for width in self.widths}
                 for rows, bucket in sorted(self._buckets.items())}
 
 
 class _WidthTimes:
-    """One number of rows' round times per width, and the schedule of its refreshes."""
+    """One number of rows' round times, and the schedule of its refreshes. The chosen width's last log times are the
+    `reference`; every other width's are kept relative to the reference's median when they ran (before the first
+    choice: as they are, relative to 0)."""
 
-    def __init__(self, widths: tuple[int, ...], window: int, refresh_every: int, samples: int):
-        self.times = {width: deque(maxlen=window) for width in widths}
+    def __init__(self, widths: tuple[int, ...], window: int, refresh_every: int, samples: int, reference_rounds: int):
+        self.relative = {width: deque(maxlen=window) for width in widths}
+        self.reference: deque[float] = deque(maxlen=reference_rounds)
         self.samples = samples
-        self._medians: dict[int, float | None] = dict.fromkeys(widths)
-        self.stale: set[int] = set()  # widths timed since their median was last taken
+        self._offsets: dict[int, float | None] = dict.fromkeys(widths)
+        self._level: float | None = None  # the reference's median
+        self.stale: set[int] = set()  # widths timed since their offset was last taken
         self.runs = dict.fromkeys(widths, 0)
         self.last_run = dict.fromkeys(widths, 0)
         self.interval = dict.fromkeys(widths, refresh_every)
         self.best: int | None = None
         self.rounds = 0
         self.retiming: set[int] = set()  # widths whose stale times were dropped, timed again before the next choice
+        self.confirming: int | None = None  # a width about to replace the choice, being timed afresh first
         self.settled_until = 0  # the round before which `best` stands without a new comparison
 
-    def median(self, width: int) -> float | None:
-        """The median of `width`'s kept round times, once they hold `samples` (None before)."""
+    def add(self, width: int, log_seconds: float) -> None:
+        """A timed round of `width`. A refresh faster than every kept time of its width means they are stale (e.g.
+        measured while the machine was still warming up): they are dropped and the width is timed again."""
+        if width == self.best:
+            self.reference.append(log_seconds)
+            self._level = statistics.median(self.reference)
+            return
+        kept = self.relative[width]
+        value = log_seconds - (self._level or 0.0)
+        if self.best is not None and len(kept) >= self.samples and value < min(kept):
+            kept.clear()
+            self.retiming.add(width)
+        kept.append(value)
+        self.stale.add(width)
+        if len(kept) >= self.samples:
+            self.retiming.discard(width)
+
+    def offset(self, width: int) -> float | None:
+        """`width`'s log time relative to the choice's: the median of its kept values once they hold `samples`
+        (the choice: 0; None before)."""
+        if width == self.best:
+            return 0.0
         if width in self.stale:
             self.stale.discard(width)
-            times = self.times[width]
-            self._medians[width] = statistics.median(times) if len(times) >= self.samples else None
-        return self._medians[width]
+            kept = self.relative[width]
+            self._offsets[width] = statistics.median(kept) if len(kept) >= self.samples else None
+        return self._offsets[width]
+
+    def seconds(self, width: int) -> float | None:
+        """`width`'s current round time (None: not measured yet)."""
+        offset = self.offset(width)
+        return None if offset is None else math.exp((self._level or 0.0) + offset)
+
+    def choose(self, width: int, seconds: float) -> None:
+        """Makes `width` the choice, whose round takes `seconds` now (measured here or borrowed): its time becomes
+        the reference and every other width's kept values are re-expressed relative to it (the old choice's as the
+        negated values of `width`'s)."""
+        shift = self.offset(width)
+        if shift is None:  # (its time borrowed from another number of rows)
+            shift = math.log(seconds) - (self._level or 0.0)
+        moved = list(self.relative[width])
+        for other, kept in self.relative.items():
+            if other != width:
+                self.relative[other] = deque((value - shift for value in kept), maxlen=kept.maxlen)
+                self.stale.add(other)
+        if self.best is not None:  # (its own list was empty while it was the choice)
+            self.relative[self.best].extend(-value for value in moved)
+            self.reference = deque((value + shift for value in self.reference), maxlen=self.reference.maxlen)
+        else:  # before the first choice every kept value is a log time
+            self.reference.extend(moved or [math.log(seconds)])
+        self._level = statistics.median(self.reference)
+        self.relative[width].clear()
+        self.best = width
