@@ -47,8 +47,11 @@
 #     SERVING_TIMEOUT=440 ... --model code50m --static --graph-sizes-per-cell 1 --max-new-tokens 64 --repeats 3
 #     --no-paged --policies no_spec fixed_3 fixed_7 hardware_aware --requests-per-slot 4 --min-requests 64
 #     --admission-rows 16 --eager-admission-from 100000 --concurrency 16 64 4 32 8 --out $OUT/mid_rows16.json
-# Next: c = 8 and 32 and fixed γ = 1 with the same settings (one call of about 300 s), then the whole sweep with the
-#     new default eager threshold (8 x --admission-rows).
+# 2026-12-03 (fifteenth session): the same settings with --round-logs $OUT/round_logs.json.gz at c = 64 16 (library
+#     21679d1, 249 s) and, with the drift-aware chooser's intermediate variant, c = 64 16 256 (425 s; 256 cut):
+#     serving_static_round_logs_h200.* and serving_static_round_logs_chooser_h200.* (replay them with
+#     benchmarks/chooser_replay.py).
+# Next: the final chooser over the whole sweep (c = 1-256, fixed γ = 1 too), in calls of about 400 s.
 set -uo pipefail
 # SERVING_TIMEOUT=S stops the benchmark after S seconds (results are saved after every concurrency); 0: no limit.
 export PYTHONPATH=${DSPARK_SRC:-src}
