@@ -51,7 +51,9 @@
 #     21679d1, 249 s) and, with the drift-aware chooser's intermediate variant, c = 64 16 256 (425 s; 256 cut):
 #     serving_static_round_logs_h200.* and serving_static_round_logs_chooser_h200.* (replay them with
 #     benchmarks/chooser_replay.py).
-# Next: the final chooser over the whole sweep (c = 1-256, fixed γ = 1 too), in calls of about 400 s.
+#     Then the final chooser (library 35acc27) at c = 256 32 8 (412 s) and c = 4 (c = 1 cut at 215 s):
+#     serving_static_final_chooser_h200.* (cells and round logs of both calls merged).
+# Next: the final chooser at c = 1, 2, 16, 64, 128 and fixed γ = 1, in calls of about 400 s.
 set -uo pipefail
 # SERVING_TIMEOUT=S stops the benchmark after S seconds (results are saved after every concurrency); 0: no limit.
 export PYTHONPATH=${DSPARK_SRC:-src}
