@@ -110,7 +110,8 @@ def test_random_arrivals_and_cancellations(models):
         engine.step()
         assert engine.num_running <= 6
 
-    assert len(handles) == 36 and refused > 0 and len(engine.requests) == 36
+    assert len(handles) == 36 and refused > 0 and len({h.request_id for h in handles}) == 36
+    assert all(h.finished for h in handles) and engine.requests == {}  # finished requests leave the engine
     greedy_checked = cancelled = 0
     for handle in handles:
         out = handle.output()
@@ -186,6 +187,26 @@ def test_policies_give_per_request_verify_lengths_and_stay_exact(models, policy,
         assert max(verified) == 3
     else:
         assert len(set(verified)) > 2
+
+
+def test_finished_requests_leave_the_engine_and_run_returns_what_it_saw_finish(models):
+    """A long-running engine holds only unfinished requests: the handle keeps a finished request's result, its id
+    may be used again, cancelling it changes nothing, and `run()` returns the requests unfinished when it started."""
+    target, drafter = models
+    engine = DSparkEngine(target, drafter, max_batch_size=2, default_sampling={"temperature": 0})
+    first = engine.add_request([5, 9, 11], max_tokens=6, request_id="a")
+    assert list(first.stream()) == solo(target, [5, 9, 11], 6) and engine.requests == {}
+    first.cancel()
+    assert first.result().finish_reason == "length"
+    again = engine.add_request([7, 8], max_tokens=5, request_id="a")  # the id is free again
+    other = engine.add_request([4, 6, 9], max_tokens=7)
+    outputs = engine.run()
+    assert set(outputs) == {"a", other.request_id} and engine.requests == {}
+    assert outputs["a"].token_ids == solo(target, [7, 8], 5) == again.result().token_ids
+    assert outputs[other.request_id].token_ids == solo(target, [4, 6, 9], 7)
+    assert engine.run() == {}
+    with pytest.raises(ValueError, match="Unknown request_id"):
+        engine.cancel("a")
 
 
 def test_bad_requests_are_refused_without_disturbing_others(models):

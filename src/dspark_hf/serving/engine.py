@@ -235,7 +235,7 @@ class DSparkEngine:
         self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         if profile_rounds:
             self.runner.profiler = RoundProfiler(target.device)
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}  # the unfinished ones (a request leaves when it finishes)
         self.waiting: deque[Request] = deque()
         # per round: batch, requests admitted, verify lengths, accepted, drafted?, width, holes, seconds (admission and
         # round), admit_seconds (the admitted requests' prefill and first tokens), step_seconds (the draft + verify round),
@@ -286,7 +286,8 @@ class DSparkEngine:
         return request
 
     def cancel(self, request_id: str) -> None:
-        """Cancels a request: it stops at the next round boundary (its stream ends, finish_reason "cancelled")."""
+        """Cancels an unfinished request: it stops at the next round boundary (its stream ends, finish_reason
+        "cancelled")."""
         with self._lock:
             request = self.requests.get(request_id)
             if request is None:
@@ -401,10 +402,13 @@ class DSparkEngine:
             return self.runner.warm_up(widths, sampled, progress)
 
     def run(self) -> dict[str, RequestOutput]:
-        """Steps until every request has finished; returns every request's output by id."""
+        """Steps until every request has finished; returns the outputs, by id, of the requests that were unfinished
+        when it started or were added while it ran (earlier ones: their handles' `result()`)."""
+        seen = dict(self.requests)
         while self.has_unfinished():
+            seen.update(self.requests)
             self.step()
-        return {rid: request.output() for rid, request in self.requests.items()}
+        return {rid: request.output() for rid, request in seen.items()}
 
     # ------------------------------------------------------------------ background loop
     @property

@@ -114,6 +114,7 @@ class Request:
 
     def _finish(self, reason: str) -> None:
         self.finish_reason = reason
+        self.engine.requests.pop(self.request_id, None)  # the engine keeps only unfinished requests; the handle stays
         self._queue.put(_END)
 
     # ------------------------------------------------------------------ user side
@@ -122,15 +123,18 @@ class Request:
         return self.finish_reason is not None
 
     def cancel(self) -> None:
-        """Stops the request at the next round boundary (a waiting request never starts)."""
-        self.engine.cancel(self.request_id)
+        """Stops the request at the next round boundary (a waiting request never starts; a finished one stays as it
+        finished)."""
+        self.cancel_requested = True
 
     def stream(self):
         """Yields the request's tokens as they are committed, and stops when it finishes (including a cancel).
 
         Without a background loop (`engine.start()`), iterating drives the engine (`engine.step()`), which also
-        advances every other request."""
+        advances every other request. After the end it yields nothing more (so `result()` after a stream returns)."""
         while True:
+            if self.finish_reason is not None and self._queue.empty():
+                return
             while self._queue.empty() and not self.engine.running_in_background:
                 if not self.engine.step() and self._queue.empty():
                     raise RuntimeError(f"request {self.request_id} made no progress (is it still queued?)")
