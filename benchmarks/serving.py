@@ -73,6 +73,7 @@ import functools
 import gc
 import gzip
 import json
+import random
 import statistics
 import sys
 import tempfile
@@ -378,17 +379,20 @@ class GCPauses:
 GC_PAUSES = GCPauses()
 
 
-def step_in_turn(engines: dict[str, DSparkEngine], patches: dict | None = None
+def step_in_turn(engines: dict[str, DSparkEngine], patches: dict | None = None, seed: int = 0
                  ) -> tuple[dict[str, float], dict[str, dict]]:
-    """Steps `engines` (each with its requests queued) in turn one round at a time, in their order and rotating the
-    first from sweep to sweep, until all have finished. Returns each engine's seconds (the sum of its own rounds'
-    wall-clock time, each ending with the device idle), the garbage collector's pauses within them (`gc_ms`,
-    `gc_full`) and the graphs dynamo compiled in them (`compiled_graphs`: 0 once the graphs are warm)."""
+    """Steps `engines` (each with its requests queued) in turn one round at a time, in their order and then in a new
+    order each sweep (`random.Random(seed)`), until all have finished. A round's time depends on the round before it
+    (on the H200, fixed γ = 7's rounds right after a plain round were 1.5-3.7 % faster than after a γ = 3 round): in a
+    fixed or rotated order each engine would keep the same neighbours, which favoured the engine after no speculation.
+    Returns each engine's seconds (the sum of its own rounds' wall-clock time, each ending with the device idle), the
+    garbage collector's pauses within them (`gc_ms`, `gc_full`) and the graphs dynamo compiled in them
+    (`compiled_graphs`: 0 once the graphs are warm)."""
     seconds = dict.fromkeys(engines, 0.0)
     pauses = {name: dict(gc_ms=0.0, gc_full=0, compiled_graphs=0) for name in engines}
     compiled = torch._dynamo.utils.counters["stats"]
     device = next(iter(engines.values())).target.device
-    order = list(engines)
+    order, shuffle = list(engines), random.Random(seed).shuffle
     while order:
         for name in list(order):
             engine = engines[name]
@@ -405,15 +409,15 @@ def step_in_turn(engines: dict[str, DSparkEngine], patches: dict | None = None
                 pauses[name]["gc_ms"] += 1e3 * (GC_PAUSES.seconds - gc_seconds)
                 pauses[name]["gc_full"] += GC_PAUSES.full - gc_full
                 pauses[name]["compiled_graphs"] += compiled["unique_graphs"] - graphs
-        order = order[1:] + order[:1]
+        shuffle(order)
     return seconds, pauses
 
 
 def run_interleaved(target, drafter, prompts, concurrency: int, settings: dict[str, dict], args, sps_table,
                     trace=None, record: str | None = None, round_logs: dict[str, list] | None = None
                     ) -> tuple[dict[str, dict], AcceptanceTrace | None]:
-    """Every policy's cell at once, one engine per policy, stepped in turn one round at a time (the first engine
-    rotates from sweep to sweep); each engine's time is the sum of its own rounds' wall-clock seconds (each round
+    """Every policy's cell at once, one engine per policy, stepped in turn one round at a time (in a new order each
+    sweep); each engine's time is the sum of its own rounds' wall-clock seconds (each round
     ends with the device idle). A host whose speed drifts over seconds then slows every policy alike, where cells
     run one after another each meet their own phase. `record`: the policy whose full-γ rounds are recorded;
     `round_logs`, when given, receives each engine's round log."""
@@ -517,8 +521,8 @@ def compact_round_log(log: list[dict], origin: float) -> list[list]:
 def run_static_cells(target, drafter, prompts, concurrency: int, names: list[str], args,
                      round_logs: dict | None = None) -> dict[str, list[dict]]:
     """`--static`: one engine per policy, kept for this concurrency; each compiles its graphs (`warm_up`), then a
-    warm-up run and `--repeats` timed runs of all policies, stepped in turn (`step_in_turn`, the first engine rotating
-    from run to run), or with `--sequential` one after another (in a rotating order). `round_logs`, when given,
+    warm-up run and `--repeats` timed runs of all policies, stepped in turn (`step_in_turn`: the first engine rotating
+    from run to run, then a new order each sweep), or with `--sequential` one after another (in a rotating order). `round_logs`, when given,
     receives every run's round logs (`compact_round_log`), warm-up run included, by policy."""
     longest = max(map(len, prompts)) + max(request_lengths(request_count(concurrency, args), args))
     # --dynamic-batch: dynamo's automatic dynamic shapes: a width's first two row prefixes compile (the second with a
@@ -557,7 +561,7 @@ def run_static_cells(target, drafter, prompts, concurrency: int, names: list[str
                 seconds |= part_seconds
                 pauses |= part_pauses
         else:
-            seconds, pauses = step_in_turn({name: engines[name] for name in order})
+            seconds, pauses = step_in_turn({name: engines[name] for name in order}, seed=repeat + 1)
         if round_logs is not None:
             for name, engine in engines.items():
                 round_logs.setdefault(name, []).append(compact_round_log(engine.round_log, origin))
