@@ -384,8 +384,8 @@ def step_in_turn(engines: dict[str, DSparkEngine], patches: dict | None = None, 
     """Steps `engines` (each with its requests queued) in turn one round at a time, in their order and then in a new
     order each sweep (`random.Random(seed)`), until all have finished. A round's time depends on the round before it
     (on the H200, fixed γ = 7's rounds right after a plain round took 1.0-3.7 % less than their median, those after a
-    γ = 3 round 0.2-0.9 % more): in a
-    fixed or rotated order each engine would keep the same neighbours, which favoured the engine after no speculation.
+    γ = 3 round 0.2-0.9 % more): in a fixed or rotated order each engine would keep the same neighbours, which
+    favoured the engine after no speculation.
     Returns each engine's seconds (the sum of its own rounds' wall-clock time, each ending with the device idle), the
     garbage collector's pauses within them (`gc_ms`, `gc_full`) and the graphs dynamo compiled in them
     (`compiled_graphs`: 0 once the graphs are warm)."""
