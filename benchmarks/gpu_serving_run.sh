@@ -53,7 +53,9 @@
 #     benchmarks/chooser_replay.py).
 #     Then the final chooser (library 35acc27) at c = 256 32 8 (412 s) and c = 4 (c = 1 cut at 215 s):
 #     serving_static_final_chooser_h200.* (cells and round logs of both calls merged).
-# Next: the final chooser at c = 1, 2, 16, 64, 128 and fixed γ = 1, in calls of about 400 s.
+# Next: the final chooser at c = 1, 2, 16, 64, 128 and fixed γ = 1, in calls of about 400 s (step_in_turn now shuffles
+#     the engines every sweep); the Qwen3-4B shape on the static engine (--model qwen3-4b-shape --static: acceptance
+#     replayed from the trace; no carry needed).
 set -uo pipefail
 # SERVING_TIMEOUT=S stops the benchmark after S seconds (results are saved after every concurrency); 0: no limit.
 export PYTHONPATH=${DSPARK_SRC:-src}

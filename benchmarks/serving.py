@@ -8,8 +8,9 @@ continuous batching.
     PYTHONPATH=src python benchmarks/serving.py --model qwen3-4b-shape   # random init, acceptance replayed (timing)
     # CPU smoke test with tiny random models (writes to a temp dir; never commit its output)
     PYTHONPATH=src python benchmarks/serving.py --model smoke
-    # the engine on static caches (DSparkEngine(static=True), one CUDA graph per round; code50m or smoke):
+    # the engine on static caches (DSparkEngine(static=True), one CUDA graph per round):
     PYTHONPATH=src python benchmarks/serving.py --model code50m --static   # -> results/serving_static_h200.json
+    PYTHONPATH=src python benchmarks/serving.py --model qwen3-4b-shape --static   # acceptance replayed (timing)
 
 Models:
 - `code50m`: the 50M code fixture (bf16) and its trained DSpark drafter (`drafters/code50m-dspark`), HumanEval
@@ -18,7 +19,9 @@ Models:
 - `qwen3-4b-shape`: a random-init target with Qwen3-4B's shapes and a random DeepSpec-shaped drafter (5 layers,
   Markov rank 256, confidence head). Random weights accept nothing, so every request-round replays a random
   recorded trace entry: the policy sees the recorded confidences and the round accepts min(l_r, recorded count).
-  The target and drafter forwards and the verification run for real at their true shapes: **timing only**.
+  The target and drafter forwards and the verification run for real at their true shapes: **timing only**. With
+  `--static` each row draws a trace entry every round and a round of width v accepts min(v, its count)
+  (`StaticTraceReplayer`; the hardware-aware chooser sees those counts).
 
 Protocol (closed loop, c clients): for each concurrency c and policy, `--requests-per-slot` × c requests (at least
 `--min-requests`, default 64) with `max_tokens` (`ignore_eos`: every request generates exactly that many) are queued
@@ -258,6 +261,25 @@ class TraceReplayer(EnginePatch):
         return VerifyResult(num_accepted=count, output_tokens=tokens)
 
 
+class StaticTraceReplayer:
+    """`TraceReplayer` for the static engine, whose rounds are graphs: entered around each of the engine's rounds,
+    it draws one trace entry per row, and a drafting round of width v accepts min(v, its count)
+    (`StaticBatchRounds.replay_acceptance`, set up here, before the engine's first round). Timing only."""
+
+    def __init__(self, trace: AcceptanceTrace, engine: DSparkEngine, seed: int = 0):
+        self.counts = engine.runner.rounds.replay_acceptance()
+        self.accepted = trace.accepted.to(self.counts.device)
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __enter__(self):
+        index = torch.randint(len(self.accepted), (len(self.counts),), generator=self.generator)
+        self.counts.copy_(self.accepted[index.to(self.counts.device)])
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
 # ---------------------------------------------------------------------------------------------------- measuring
 def make_engine(target, drafter, concurrency: int, setting: dict, sps_table, **options) -> DSparkEngine:
     kwargs = dict(setting, **options)
@@ -400,7 +422,7 @@ def step_in_turn(engines: dict[str, DSparkEngine], patches: dict | None = None, 
             if not engine.has_unfinished():
                 order.remove(name)
                 continue
-            with patches[name] if patches else contextlib.nullcontext():
+            with (patches or {}).get(name) or contextlib.nullcontext():
                 synchronize(device)
                 gc_seconds, gc_full, graphs = GC_PAUSES.seconds, GC_PAUSES.full, compiled["unique_graphs"]
                 start = time.perf_counter()
@@ -520,17 +542,18 @@ def compact_round_log(log: list[dict], origin: float) -> list[list]:
 
 
 def run_static_cells(target, drafter, prompts, concurrency: int, names: list[str], args,
-                     round_logs: dict | None = None) -> dict[str, list[dict]]:
+                     round_logs: dict | None = None, trace: AcceptanceTrace | None = None) -> dict[str, list[dict]]:
     """`--static`: one engine per policy, kept for this concurrency; each compiles its graphs (`warm_up`), then a
     warm-up run and `--repeats` timed runs of all policies, stepped in turn (`step_in_turn`: the first engine rotating
-    from run to run, then a new order each sweep), or with `--sequential` one after another (in a rotating order). `round_logs`, when given,
-    receives every run's round logs (`compact_round_log`), warm-up run included, by policy."""
+    from run to run, then a new order each sweep), or with `--sequential` one after another (in a rotating order).
+    `round_logs`, when given, receives every run's round logs (`compact_round_log`), warm-up run included, by policy.
+    `trace`: the speculative engines accept as it says (`StaticTraceReplayer`; random-weight models, timing only)."""
     longest = max(map(len, prompts)) + max(request_lengths(request_count(concurrency, args), args))
     # --dynamic-batch: dynamo's automatic dynamic shapes: a width's first two row prefixes compile (the second with a
     # symbolic batch size, which the larger ones reuse), and CUDA graphs are still recorded per prefix
     compile_rounds = dict(mode="reduce-overhead", dynamic=None) if args.dynamic_batch else None
     graph_sizes = {max(1, concurrency >> k) for k in range(args.graph_sizes_per_cell)} or None
-    engines, warm_up_seconds = {}, {}
+    engines, warm_up_seconds, patches = {}, {}, {}
     for name in names:  # every graph of every policy, before any run
         fixed = name.startswith("fixed_")
         engines[name] = DSparkEngine(
@@ -542,6 +565,8 @@ def run_static_cells(target, drafter, prompts, concurrency: int, names: list[str
             static_admission_rows=args.admission_rows)
         if args.eager_admission_from is not None:
             engines[name].runner.eager_admission_from = args.eager_admission_from
+        if trace is not None and name != "no_spec":  # (before the graphs are captured: they read its buffer)
+            patches[name] = StaticTraceReplayer(trace, engines[name], seed=concurrency)
         started = time.perf_counter()
         engines[name].warm_up()
         warm_up_seconds[name] = time.perf_counter() - started
@@ -558,11 +583,11 @@ def run_static_cells(target, drafter, prompts, concurrency: int, names: list[str
         if args.sequential:
             seconds, pauses = {}, {}
             for name in order:
-                part_seconds, part_pauses = step_in_turn({name: engines[name]})
+                part_seconds, part_pauses = step_in_turn({name: engines[name]}, patches)
                 seconds |= part_seconds
                 pauses |= part_pauses
         else:
-            seconds, pauses = step_in_turn({name: engines[name] for name in order}, seed=repeat + 1)
+            seconds, pauses = step_in_turn({name: engines[name] for name in order}, patches, seed=repeat + 1)
         if round_logs is not None:
             for name, engine in engines.items():
                 round_logs.setdefault(name, []).append(compact_round_log(engine.round_log, origin))
@@ -572,7 +597,8 @@ def run_static_cells(target, drafter, prompts, concurrency: int, names: list[str
         for name, engine in engines.items():
             cell = cell_result(engine, handles[name], seconds[name], concurrency) | pauses[name]
             cell["warm_up_seconds"] = warm_up_seconds[name]
-            if name != "no_spec" and "no_spec" in tokens:  # (bf16: graphs of other shapes may break argmax ties)
+            if name != "no_spec" and "no_spec" in tokens and trace is None:  # (bf16: graphs of other shapes may
+                # break argmax ties; replayed acceptance commits the target's tokens for drafts it did not compare)
                 cell["matched_no_spec"] = statistics.fmean(a == b for a, b in zip(tokens[name], tokens["no_spec"]))
             if engine.runner.chooser is not None:
                 cell["chooser"] = {str(rows): {str(width): times for width, times in widths.items()}
@@ -714,8 +740,7 @@ def main() -> None:
     parser.add_argument("--breakdown-at", type=int, nargs="*", default=[1, 32, 256], help="none: skip the breakdown")
     parser.add_argument("--no-paged", dest="paged", action="store_false", help="skip transformers' paged baseline")
     parser.add_argument("--static", action="store_true",
-                        help="DSparkEngine(static=True): one CUDA graph per round (code50m or smoke; see the "
-                             "docstring)")
+                        help="DSparkEngine(static=True): one CUDA graph per round (see the docstring)")
     parser.add_argument("--dynamic-batch", action="store_true",
                         help="--static: compile the rounds with a symbolic batch size (two compilations per width "
                              "instead of one per row prefix and width; CUDA graphs still per prefix). On the H200 each "
@@ -734,8 +759,6 @@ def main() -> None:
     parser.add_argument("--out", help="JSON path (default benchmarks/results/serving_h200.json, "
                         "serving_static_h200.json with --static; a temp dir for smoke)")
     args = parser.parse_args()
-    if args.static and args.model == "qwen3-4b-shape":
-        parser.error("--static runs code50m or smoke: replaying a trace needs the eager engine's rounds")
     if args.static:  # each concurrency's engines compile their rounds anew (per width, kind and row prefix)
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 1024)
 
@@ -805,7 +828,7 @@ def main() -> None:
         for concurrency in args.concurrency:
             if args.static:
                 logs = all_round_logs.setdefault(str(concurrency), {}) if args.round_logs else None
-                runs = run_static_cells(target, drafter, prompts, concurrency, list(chosen), args, logs)
+                runs = run_static_cells(target, drafter, prompts, concurrency, list(chosen), args, logs, trace)
                 if args.round_logs:
                     with gzip.open(args.round_logs, "wt") as file:
                         json.dump(dict(environment=environment(), columns=COMPACT_COLUMNS,

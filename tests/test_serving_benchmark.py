@@ -135,6 +135,28 @@ def test_static_cells_run_every_policy_on_its_own_engine(models, graph_sizes_per
     assert all(cell["matched_no_spec"] == 1.0 for name in names[1:] for cell in runs[name])  # float32: lossless
 
 
+@torch.inference_mode()
+def test_static_cells_replay_a_trace_on_the_speculative_engines(models):
+    """`--static` with a trace (the Qwen3-4B shape's random weights): every drafting round of fixed γ accepts the
+    trace's count capped at γ, no speculation is untouched, and the hardware-aware chooser learns the replayed
+    acceptance (a trace of 7 accepted drafts: all its drafts survive)."""
+    target, drafter, prompts = models
+    args = argparse.Namespace(**vars(ARGS), repeats=1, dynamic_batch=False, admission_batch=1, graph_sizes_per_cell=1,
+                              sequential=False, admission_rows=1, eager_admission_from=None)
+    names = ["no_spec", "fixed_3", "fixed_7", "hardware_aware"]
+    logs = {}
+    runs = serving.run_static_cells(target, drafter, prompts, 2, names, args, logs, trace=trace_accepting(7, prompts))
+    for name, width in (("fixed_3", 3), ("fixed_7", 7)):
+        (cell,) = runs[name]
+        assert cell["generated_tokens"] == sum(serving.request_lengths(4, ARGS)) and "matched_no_spec" not in cell
+        drafting = [entry for entry in logs[name][-1] if entry[3] == width]
+        # every row of a round accepts all its drafts, except where a request's budget ends first
+        assert sum(entry[4] == width * entry[1] for entry in drafting) > 0.5 * len(drafting)
+    assert runs["no_spec"][0]["tau"] == 1.0 and runs["fixed_7"][0]["tau"] > 4.0
+    survival = runs["hardware_aware"][0]["chooser"]["2"]["7"]["tokens_per_row"]
+    assert survival == pytest.approx(8.0, abs=0.01)
+
+
 def test_engine_host_benchmark_times_stubbed_rounds_that_commit_tokens():
     """benchmarks/engine_host_cpu.py: the stubbed rounds go through the engine's whole host path (every request
     receives tokens) and a time per round comes back."""

@@ -377,3 +377,29 @@ def test_batched_generate_with_a_static_cache_runs_the_batch_fast_path(monkeypat
     with pytest.raises(ValueError, match="RepetitionPenaltyLogitsProcessor"):
         target.generate(ids, attention_mask=mask, assistant_model=drafter, cache_implementation="static",
                         max_new_tokens=8, repetition_penalty=1.2)
+
+
+def test_replayed_acceptance_sets_each_rows_accepted_drafts(target):
+    """Timing only: with `replay_acceptance()`, a greedy drafting round of width v accepts min(count, v) drafts per row,
+    whatever the drafts, and moves each row by that count + 1 (a row prefix reads the same buffer); it must be set up
+    before the first round."""
+    drafter = tiny_drafter(target, block_size=5, seed=3)
+    prompts = random_batches(VOCAB_SIZE, count=1, size=4, seed=5)[0]
+    ids, mask = left_padded(prompts)
+    rounds = StaticBatchRounds(target, drafter, len(prompts), capacity=ids.shape[1] + 64)
+    rounds.prefill(ids, mask)
+    counts = rounds.replay_acceptance()
+    with torch.no_grad(), rounds.tap:
+        for width, replayed, wanted in ((4, [0, 2, 4, 9], [0, 2, 4, 4]), (2, [1, 0, 2, 3], [1, 0, 2, 2]),
+                                        (4, [3, 1, 0, 4], [3, 1, 0, 4])):
+            counts.copy_(torch.tensor(replayed))
+            columns = rounds.column.clone()
+            rounds.greedy_round(width)()
+            assert rounds.record[:, 0].tolist() == wanted
+            assert (rounds.column - columns).tolist() == [count + 1 for count in wanted]
+        counts.copy_(torch.tensor([1, 1, 3, 0]))
+        half = rounds.prefix(2)
+        half.greedy_round(4)()
+    assert half.record[:, 0].tolist() == [1, 1] and half.replayed_acceptance.data_ptr() == counts.data_ptr()
+    with pytest.raises(RuntimeError, match="before any round"):
+        rounds.replay_acceptance()

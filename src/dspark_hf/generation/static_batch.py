@@ -180,6 +180,7 @@ class StaticBatchRounds:
         self.features: torch.Tensor | None = None  # [B, γ + 1, K·H]: the last verify forward's target features
         self.record = torch.zeros(batch_size, 1 + self.width, **long)  # [accepted, emitted tokens] per row
         self.drafts = torch.zeros(batch_size, self.width - 1, **long)  # the last round's drafts
+        self.replayed_acceptance: torch.Tensor | None = None  # `replay_acceptance()`: timing only
         if do_sample:  # DSpark: the graph drafts and scores; `dspark_hf.verify` and `advance` run after it
             self.step = self._sampled_plain_round if drafter is None else self._sampled_dspark_round
         else:
@@ -210,7 +211,8 @@ class StaticBatchRounds:
             return self
         if rows not in self._prefixes:
             view = copy.copy(self)
-            for name in ("pad", "anchor", "column", "context_column", "active", "record", "drafts", "features"):
+            for name in ("pad", "anchor", "column", "context_column", "active", "record", "drafts", "features",
+                         "replayed_acceptance"):
                 tensor = getattr(self, name)
                 if tensor is not None:
                     setattr(view, name, tensor[:rows])
@@ -222,6 +224,19 @@ class StaticBatchRounds:
             view._rounds_by_kind, view._prefixes = {}, {}
             self._prefixes[rows] = view
         return self._prefixes[rows]
+
+    def replay_acceptance(self) -> torch.Tensor:
+        """Timing only (benchmarks on random-weight models): returns a [B] buffer of accepted-draft counts that every
+        greedy drafting round takes instead of its own, capped at its width; write it in place before each round. The
+        rows then commit the target's tokens, not the drafts they stand for, so the output means nothing. Call it
+        before the first round (graphs read the buffer from their capture on)."""
+        if self._rounds_by_kind or self._prefixes or self.drafter is None:
+            raise RuntimeError("replay_acceptance() needs a drafter and must come before any round or prefix.")
+        if self.replayed_acceptance is None:
+            self.replayed_acceptance = torch.zeros_like(self.pad)
+            if self.compile_options is not None:
+                torch._dynamo.mark_static_address(self.replayed_acceptance)
+        return self.replayed_acceptance
 
     def greedy_round(self, verify: int) -> Callable[[], None]:
         """The greedy round that verifies the first `verify` of each row's drafts (0: a plain round, which with a
@@ -419,7 +434,10 @@ class StaticBatchRounds:
     def _dspark_round(self, *, verify: int | None = None) -> None:
         drafts, _, logits, features = self._draft_and_score(greedy_selector, verify)
         tokens = argmax_last(logits)  # [B, v + 1]
-        self.advance((drafts == tokens[:, :-1]).long().cumprod(dim=1).sum(dim=1), tokens, features)
+        accepted = (drafts == tokens[:, :-1]).long().cumprod(dim=1).sum(dim=1)
+        if self.replayed_acceptance is not None:
+            accepted = self.replayed_acceptance.clamp(max=drafts.shape[1])
+        self.advance(accepted, tokens, features)
 
     def _sampled_dspark_round(self, noise: torch.Tensor, temperatures, top_ks, top_ps, verify: int | None = None):
         """-> (the first `verify` drafts [B, v] (default: all), their q [B, v, V], target logits, target features) for
