@@ -259,6 +259,25 @@ def test_width_chooser_compares_widths_with_the_choice_timed_around_them():
             assert others <= 0.03 * 600, (drift, seed, others)
 
 
+def test_width_chooser_times_a_width_afresh_before_it_replaces_the_choice():
+    """Width 7 is chosen. Width 3's kept times (relative to 7's) say it is 30 % cheaper than it now is, enough to
+    look better: it is timed afresh for `samples` rounds in a row, which shows it slower, and the choice stays."""
+    seconds = {3: 1.5, 7: 2.0}
+    chooser = RoundWidthChooser(tuple(seconds), refresh_every=1000, max_refresh_every=1000)
+    chosen = drive_widths(chooser, 60, seconds, [1.0, 1.0, 1.0, 0.75, 0.75, 0.75, 0.75])
+    assert chosen[-30:] == [7] * 30
+    bucket = chooser._buckets[0]
+    bucket.relative[3] = type(bucket.relative[3])([value - 0.36 for value in bucket.relative[3]], maxlen=25)
+    bucket.stale.add(3)
+    bucket.settled_until = 0
+    after = []
+    for _ in range(20):  # (no compilation rounds now; no acceptance either: the estimates stay as they were)
+        width = chooser.choose()
+        chooser.record(width, seconds[width], [])
+        after.append(width)
+    assert after[:3] == [3, 3, 3] and after[3:] == [7] * 17 and bucket.best == 7
+
+
 def test_width_chooser_compares_rates_only_every_few_rounds_once_settled(monkeypatch):
     """The engine asks every round; a settled choice stands `decide_every` rounds without recomputing the rates (each
     comparison reads every width's expected tokens), and the refreshes still run when due."""

@@ -28,13 +28,14 @@ ran there, so that neither its time nor the acceptance of drafts it would verify
 `max_refresh_every`; a change of choice resets them all). From the second refresh after a change of choice on, the
 wait is stretched by 1 + gap / `refresh_gap` for a width whose expected rate is a fraction `gap` below the choice's:
 a refresh costs about gap of a round, so each width's refreshes cost at most about refresh_gap / wait of the rounds,
-however far behind it is (the first refresh comes unstretched, since the width's times may be stale). A refresh faster than every time kept
-for its width means those times are stale (e.g. measured while the machine was still warming up): they are dropped
-and the width is timed again (`samples` rounds in a row) before the next choice that reads it. A width replaces the
-current choice only when its expected rate is `switch_margin` higher: a change of choice on noise alone would restart
-the refreshes of every width. Once a choice is made it stands for `decide_every` rounds (or until a refresh is due)
-without recomputing the rates: the engine asks every round, and a round of a small model on a GPU lasts about a
-millisecond.
+however far behind it is (the first refresh comes unstretched, since the width's times may be stale). A refresh
+faster than every time kept for its width means those times are stale (e.g. measured while the machine was still
+warming up): they are dropped and the width is timed again (`samples` rounds in a row) before the next choice that
+reads it. A width that looks better than the current choice is first timed afresh (its kept times dropped, `samples`
+rounds in a row), and replaces the choice only if its expected rate is then still `switch_margin` higher: a change
+of choice on noise or on old times alone would restart the refreshes of every width. Once a choice is made it stands
+for `decide_every` rounds (or until a refresh is due) without recomputing the rates: the engine asks every round,
+and a round of a small model on a GPU lasts about a millisecond.
 """
 
 from __future__ import annotations

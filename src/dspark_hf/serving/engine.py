@@ -238,8 +238,8 @@ class DSparkEngine:
         self.requests: dict[str, Request] = {}  # the unfinished ones (a request leaves when it finishes)
         self.waiting: deque[Request] = deque()
         # per round: batch, requests admitted, verify lengths, accepted, drafted?, width, holes, seconds (admission and
-        # round), admit_seconds (the admitted requests' prefill and first tokens), step_seconds (the draft + verify round),
-        # ended (time.perf_counter() at the round's end)
+        # round), admit_seconds (the admitted requests' prefill and first tokens), step_seconds (the draft + verify
+        # round), ended (time.perf_counter() at the round's end)
         self.round_log: list[dict] = []
         self._ids = itertools.count()
         self._lock = threading.Lock()
