@@ -33,8 +33,9 @@ Request lengths are drawn uniformly from `--max-new-tokens` × (1 ± `--length-s
 policy: with equal lengths, plain rows would also finish in lockstep and be refilled by one prefill per wave, where
 speculative rows (and any real workload) need many small ones.
 A short warm-up run (8 tokens, same concurrency and policy) precedes the timed runs. The timed runs are
-interleaved: one engine per policy, all fed the same requests, stepped in turn one round at a time, each engine's
-time being the sum of its own rounds' wall-clock seconds (`run_interleaved`). Every round here is host-bound, and
+interleaved: one engine per policy, all fed the same requests, stepped in turn one round at a time (in a new order
+every sweep, since a round's time depends on the round before it), each engine's time being the sum of its own
+rounds' wall-clock seconds (`run_interleaved`). Every round here is host-bound, and
 the H200 machine's virtual CPU runs the same Python up to 2x slower for seconds at a time
 (`results/host_phases_h200.json`): cells run one after another each met their own phase, and runs of one cell
 differed by up to 1.6x. Stepped in turn, every policy sees the same phases. `--sequential` runs the cells one
