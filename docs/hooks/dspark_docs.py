@@ -3,7 +3,7 @@
 At build time it:
 
 - adds the design notes other parts of the project keep in docs/ (verify.md, scheduling.md, training.md, formats.md,
-  serving.md) to the nav when they exist, and turns links to absent ones into plain text;
+  serving.md, serving_measurements.md) to the nav when they exist, and turns links to absent ones into plain text;
 - generates one API reference page per `dspark_hf` subpackage that exists (mkdocstrings renders the docstrings);
 - renders every `benchmarks/results/*.json` (and its PNG) into `benchmarks.md`;
 - lists every `ValueError` message raised under `src/dspark_hf` into `errors.md` (read with `ast`, nothing imported).
@@ -24,7 +24,8 @@ SRC = ROOT / "src" / "dspark_hf"
 RESULTS = ROOT / "benchmarks" / "results"
 
 DESIGN_NOTES = [("Verification", "verify.md"), ("Scheduling", "scheduling.md"), ("Training", "training.md"),
-                ("Checkpoint formats", "formats.md"), ("Serving", "serving.md")]
+                ("Checkpoint formats", "formats.md"), ("Serving", "serving.md"),
+                ("Serving measurements", "serving_measurements.md")]
 API_MODULES = [
     ("Models", "dspark_hf.models", "models", ["dspark_hf.DSparkConfig", "dspark_hf.DSparkDraftModel",
                                              "dspark_hf.DraftProposal"]),
