@@ -89,8 +89,8 @@ def test_what_the_kernel_does_not_cover_runs_sdpa(monkeypatch):
 @interp
 def test_compiled_callers_get_the_kernels_as_one_opaque_operator(monkeypatch):
     """torch.compile must not trace the kernel launches: inductor did before, and on an H200 the split path's
-    attention came out wrong inside the compiled engine rounds (docs/serving_measurements.md). The graph calls the custom
-    operator `dspark_hf::split_kv_attention`, which gives the eager output."""
+    attention came out wrong inside the compiled engine rounds (docs/serving_measurements.md). The graph calls the
+    custom operator `dspark_hf::split_kv_attention`, which gives the eager output."""
     monkeypatch.setattr(static_attention, "_sm_count", lambda device: 64)
     module, query, key, value, mask = attention_case(1, 8, 4, 8, 272, 64, "bool")
     graphs = []
