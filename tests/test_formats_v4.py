@@ -16,6 +16,7 @@ from transformers.cache_utils import DynamicCache
 import dspark_hf  # noqa: F401
 import dspark_hf.checkpoints as ck
 from dspark_hf import DSparkDraftModel
+from dspark_hf.generation.target_features import target_is_stateful
 from dspark_hf.models import TargetLayerTap
 
 H, V, HEADS, HD, ROPE, QR, OG, OR, E, TOPK, INTER, HC = 32, 96, 4, 16, 8, 16, 2, 8, 4, 2, 16, 2
@@ -242,12 +243,12 @@ def test_taps_read_the_v4_streams_raw_including_the_last_layer():
 
 
 def test_v4_drafter_drives_a_v4_target_with_compressors_losslessly(tmp_path):
-    """transformers flags V4 `_is_stateful` (compressor state cannot be cropped back), so generate() runs dspark_hf's
-    stateful loop: cache copy before verifying, restore and re-feed after a partial accept. Prompts of 1, 6 and 20
-    tokens plus 32 new ones fill the window, close CSA/HCA windows and outgrow the indexer's top-k. The taps include
-    the target's last layer."""
+    """V4's compressor state cannot be cropped back (transformers < 5.25 flags the model `_is_stateful`, later releases
+    mark its cache layers not croppable), so generate() runs dspark_hf's stateful loop: cache copy before verifying,
+    restore and re-feed after a partial accept. Prompts of 1, 6 and 20 tokens plus 32 new ones fill the window, close
+    CSA/HCA windows and outgrow the indexer's top-k. The taps include the target's last layer."""
     target = v4_target()
-    assert target._is_stateful
+    assert target_is_stateful(target)
     drafters = {"random": v4_drafter(tmp_path / "random", [0, 2, 3]),
                 "oracle": v4_drafter(tmp_path / "oracle", [0, 2, 3], oracle_for=target)}
     rounds = {name: [] for name in drafters}
@@ -265,7 +266,7 @@ def test_v4_drafter_drives_a_v4_target_with_compressors_losslessly(tmp_path):
         sampled = target.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=True, top_k=1,
                                   assistant_model=drafters["oracle"])
         assert torch.equal(sampled, reference)
-    assert target._is_stateful  # the flag is only shadowed while transformers validates
+    assert "_is_stateful" not in vars(target)  # the flag is only shadowed while transformers < 5.25 validates
     assert any(0 < a < d for d, a in rounds["oracle"]) and any(0 < a == d for d, a in rounds["oracle"])
     assert (0, 0) in rounds["random"]  # a round verifying no drafts flushed the re-fed tokens
     oracle = drafters["oracle"]

@@ -106,6 +106,12 @@ class DSparkCandidateGenerator(CandidateGenerator):
         self._verified_drafts: torch.LongTensor | None = None
         self._forward_end = 0  # sequence length after the target's last forward (the candidates last handed over)
 
+    @property
+    def num_drafting_tokens(self) -> int:
+        """At most this many drafts per round (transformers >= 5.25 keeps as many recurrent / sliding-window states to
+        roll back after verification)."""
+        return self.drafter.config.block_size
+
     # transformers calls this with keyword arguments (see `_assisted_decoding`).
     def get_candidates(
         self,

@@ -4,14 +4,15 @@ transformers (5.17 and later 5.x) has no public argument to choose a candidate g
 private `GenerationMixin` methods, and only changes their behaviour when the assistant is a `DSparkDraftModel`:
 
 - `_validate_generation_mode`: checks the drafter against the target and the generation arguments, with clear
-  errors, before any work (and lets stateful targets through: DSpark decodes them with its own loop);
+  errors, before any work (and lets targets flagged `_is_stateful` through, which transformers < 5.25 refuses:
+  DSpark decodes them with its own loop);
 - `_get_candidate_generator`: returns a `DSparkCandidateGenerator` (batch size 1: transformers' own
   `_assisted_decoding` loop runs, we only draft);
 - `_assisted_decoding` (the decoding method `generate()` looks up for assisted generation, after preparing the
   config, masks, processors and stopping criteria): for batch size > 1 it runs `batched.batched_generate`, our
   own loop with per-row verify lengths (transformers' loop is batch-1 only), or with `cache_implementation="static"`
-  the batched fast path (`static_batch.static_assisted_decoding_batch`); for a target flagged `_is_stateful`
-  (a cache that cannot be cropped) it runs `stateful.stateful_generate`; with `cache_implementation="static"` it
+  the batched fast path (`static_batch.static_assisted_decoding_batch`); for a stateful target (a cache that
+  cannot be cropped, `target_features.target_is_stateful`) it runs `stateful.stateful_generate`; with `cache_implementation="static"` it
   runs the static-cache fast path (`static_loop.static_assisted_decoding`); otherwise it goes on to the original with
   a `TargetLayerTap` active around it (the candidate generator reads the target's hidden states from it).
 
@@ -36,7 +37,7 @@ from ..attention_backends import decoding_attention
 from ..models import DSparkDraftModel, TargetLayerTap
 from .candidate_generator import DSparkCandidateGenerator
 from .policy import register_generation_arguments, resolve_max_drafts, resolve_policy
-from .target_features import check_drafter_fits_target
+from .target_features import check_drafter_fits_target, target_is_stateful
 
 MIN_TRANSFORMERS = Version("5.17.0")
 _EXPECTED_PARAMETERS = {
@@ -114,7 +115,7 @@ def install() -> None:
         drafter = generation_mode_kwargs.get("assistant_model")
         if isinstance(drafter, DSparkDraftModel):
             _validate_dspark_generation(self, generation_mode, generation_config, drafter)
-            if self._is_stateful:
+            if getattr(self, "_is_stateful", False):  # transformers < 5.25 refuses flagged targets here
                 with _stateful_flag_cleared(self):
                     return original_validate(self, generation_mode, generation_config, generation_mode_kwargs)
         return original_validate(self, generation_mode, generation_config, generation_mode_kwargs)
@@ -160,7 +161,7 @@ def install() -> None:
                 kwargs.pop(name, None)  # stop strings already are in the prepared stopping criteria
             run = static_assisted_decoding_batch if static else batched_generate
             return run(self, drafter, input_ids, *args, **kwargs)
-        if self._is_stateful:
+        if target_is_stateful(self):
             from .stateful import stateful_generate
 
             for name in ("assistant_model", "inputs_tensor", "assistant_tokenizer"):

@@ -31,6 +31,7 @@ from ..scheduling import SchedulerPolicy, SpeculationGuard
 from ..verify import VerifyResult
 from .profiling import RoundProfiler
 from .ragged import RaggedBatch
+from .target_features import target_is_stateful
 
 
 @dataclass
@@ -84,7 +85,7 @@ class RowSampler(Protocol):
 def check_batchable_target(target: PreTrainedModel) -> None:
     """Per-row cache holes need full attention on every target layer (sliding windows count columns, not tokens) and
     a cache that can be cut back (not a stateful target's)."""
-    if target._is_stateful:
+    if target_is_stateful(target):
         raise ValueError(f"Batched DSpark decoding needs a target whose cache can be cut back after rejected drafts; "
                          f"{type(target).__name__} is stateful. Call generate() per prompt (batch size 1) for it.")
     text = target.config.get_text_config()

@@ -1,8 +1,9 @@
 """Batch-1 DSpark `generate()` for targets whose cache cannot be cropped back after rejected drafts.
 
-transformers' assisted loop rolls the target's cache back with `Cache.crop` after every round, so it refuses targets
-flagged `_is_stateful`: recurrent / Mamba / linear-attention layers, DeepSeek-V4's compressor (CSA/HCA) layers. Their
-state after position p cannot be recovered from their state after p + k. `hook.py` routes such targets here; this
+transformers' assisted loop rolls the target's cache back with `Cache.crop` after every round, so it refuses stateful
+targets (`target_features.target_is_stateful`): DeepSeek-V4's compressor (CSA/HCA) layers and, before transformers
+5.25, recurrent / Mamba / linear-attention layers. Their state after position p cannot be recovered from their state
+after p + k. `hook.py` routes such targets here; this
 loop never crops:
 
 - before a target forward that verifies drafts, it keeps a copy of the target's cache (`copy.deepcopy`);
@@ -69,7 +70,7 @@ def stateful_generate(
     tokenizer=None,
     **model_kwargs,
 ):
-    """The decoding method `generate()` calls for a DSpark drafter, batch size 1 and a target flagged `_is_stateful`
+    """The decoding method `generate()` calls for a DSpark drafter, batch size 1 and a stateful target
     (same arguments as `GenerationMixin._assisted_decoding`)."""
     check_own_loop_supported(target, generation_config, synced_gpus, "a stateful target")
     cache_name = next((name for name in ALL_CACHE_NAMES if model_kwargs.get(name) is not None), None)

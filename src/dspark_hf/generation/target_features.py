@@ -1,8 +1,10 @@
-"""Whether a drafter fits a target (the target's hidden states themselves are read by `models.TargetLayerTap`)."""
+"""What a target allows: whether a drafter fits it (the target's hidden states themselves are read by
+`models.TargetLayerTap`) and whether its cache can be cut back after rejected drafts."""
 
 from __future__ import annotations
 
 from transformers import PreTrainedModel
+from transformers.cache_utils import DynamicCache
 
 from ..models import DSparkConfig, decoder_layers, layer_id_problems
 
@@ -35,3 +37,16 @@ def check_drafter_fits_target(drafter_config: DSparkConfig, target: PreTrainedMo
             f"This DSpark drafter does not fit the target {type(target).__name__}: " + "; ".join(problems) + "."
         )
     decoder_layers(target)  # the taps hook these; a clear ValueError if the target has no `layers` list
+
+
+def target_is_stateful(target: PreTrainedModel) -> bool:
+    """Whether the target's cache cannot simply be cut back after rejected drafts (recurrent / Mamba / linear-attention
+    layers, DeepSeek-V4's compressor layers): DSpark then decodes it with its copy-and-restore loop (`stateful.py`).
+
+    transformers < 5.25 flags such models `_is_stateful` (an instance attribute set to True counts too); later releases
+    drop the flag and let each cache layer say whether `crop` restores it (sliding-window and linear-attention layers
+    can, once transformers' assisted loop has called `activate_past_recording`)."""
+    flag = getattr(target, "_is_stateful", None)
+    if flag is not None:
+        return bool(flag)
+    return not DynamicCache(config=target.config).is_croppable
