@@ -447,6 +447,42 @@ def test_static_engine_serves_arrivals_and_cancellations_exactly(models, setting
         assert any(len(set(entry["accepted"])) > 1 for entry in engine.round_log)
 
 
+class RecordingWidths(RandomWidths):
+    """RandomWidths that notes each `choose` and `record` call, in order."""
+
+    def __init__(self, widths, seed: int):
+        super().__init__(widths, seed)
+        self.calls = []
+
+    def choose(self, rows: int = 0) -> int:
+        width = super().choose(rows)
+        self.calls.append(("choose", width, rows))
+        return width
+
+    def record(self, width: int, seconds: float, accepted: list[int], rows: int = 0) -> None:
+        self.calls.append(("record", width, rows, list(accepted)))
+
+
+def test_static_engine_records_each_round_to_the_chooser_during_the_next(models):
+    """The static engine hands a round's width, rows and accepted drafts to its chooser during the next round (after
+    that round's choice, before its synchronisation), so the chooser's host work overlaps the device's: every round
+    is recorded exactly once, in order, right after the next round's choice; the last one when its rows leave."""
+    target, drafter = models
+    engine = DSparkEngine(target, drafter, max_batch_size=4, max_model_len=64, static=True, policy="hardware_aware",
+                          default_sampling={"temperature": 0})
+    chooser = engine.runner.chooser = RecordingWidths(engine.runner.chooser.widths, seed=1)
+    for prompt in ([5, 6, 7], [8, 9], [10, 11, 12, 13]):
+        engine.add_request(prompt, max_tokens=24)
+    engine.run()
+    kinds = [call[0] for call in chooser.calls]
+    assert kinds == ["choose"] + ["choose", "record"] * (len(engine.round_log) - 1) + ["record"]
+    choices, records = ([call for call in chooser.calls if call[0] == kind] for kind in ("choose", "record"))
+    assert len(records) > 5
+    for choice, record, entry in zip(choices, records, engine.round_log):
+        assert choice[1] == entry["verify"][0] == record[1] and choice[2] == record[2]
+        assert len(record[3]) == entry["batch"] and all(0 <= a <= choice[1] for a in record[3])
+
+
 @pytest.mark.parametrize("head", [dict(), dict(head_type="rnn"), dict(markov_rank=0, confidence=False)],
                          ids=["vanilla", "rnn", "dflash"])
 def test_static_engine_drafts_from_each_requests_whole_context_across_plain_rounds(models, head, monkeypatch):

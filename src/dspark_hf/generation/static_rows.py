@@ -41,7 +41,8 @@ PENDING_ROUNDS = 4  # the drafter's pending context holds 4 (γ + 1) features: p
 class StaticRows:
     """Rows of `DSparkEngine` on a `StaticBatchRounds` of `max_batch_size` rows and `max_model_len` positions.
     `drafter=None`: plain decoding rounds. Each round verifies `verify` drafts of every row (default: all γ), or as
-    many as `chooser` picks. `sampler` (the engine's `RequestSampler`: `params(rows, device)`, `first_tokens(rows,
+    many as `chooser` picks; a round is recorded to the chooser during the next one, while the device runs it (its
+    host work, 20-40 µs a round on the H200 host, would otherwise add to every round). `sampler` (the engine's `RequestSampler`: `params(rows, device)`, `first_tokens(rows,
     logits)` and its `generator`) draws sampled requests' tokens; without one every request decodes greedily.
     `compile`, `attention`, `fuse_projections` as in `static_generate_batch` (`compile=True`: one CUDA graph per
     row prefix, number of verified drafts and kind, greedy or sampled). `graph_batch_sizes`: the numbers of rows a
@@ -114,6 +115,7 @@ class StaticRows:
                              f"a fixed number or a chooser's: verify={verify}, chooser widths "
                              f"{None if chooser is None else chooser.widths}.")
         self.verify, self.chooser = verify, chooser
+        self._unrecorded: tuple | None = None  # the last round, for `chooser.record` during the next one
 
     @property
     def rows(self) -> list[Row]:
@@ -276,6 +278,13 @@ class StaticRows:
         if freed:
             self._owners_changed()
             self._set_sampling(freed, None)
+        if not self.occupied:  # no next round to record the last one during
+            self._record_last_round()
+
+    def _record_last_round(self) -> None:
+        if self._unrecorded is not None:
+            self.chooser.record(*self._unrecorded)
+            self._unrecorded = None
 
     @torch.no_grad()
     def step(self) -> list[list[int]]:
@@ -297,6 +306,7 @@ class StaticRows:
                     self._sampled_round(rounds, verify, filtered=any(self.filtered))
                 else:
                     rounds.greedy_round(verify)()
+            self._record_last_round()  # its times and acceptance, while the device runs this round
             # the round's one synchronisation: accepted drafts and the up to verify + 1 tokens committed, per row
             record = rounds.record[:, : verify + 2].tolist()
         seconds = time.perf_counter() - started
@@ -314,8 +324,8 @@ class StaticRows:
             accepted_drafts.append(accepted)
             pending[index] = pending[index] + 1 if verify == 0 else accepted + 1
         self.drafted_last_round = verify > 0
-        if self.chooser is not None:
-            self.chooser.record(verify, seconds, accepted_drafts, count)
+        if self.chooser is not None:  # recorded during the next round (one round late: its choice cannot read it)
+            self._unrecorded = (verify, seconds, accepted_drafts, count)
         return committed
 
     def _sampled_round(self, rounds: StaticBatchRounds, verify: int, filtered: bool) -> None:

@@ -178,14 +178,18 @@ class RoundWidthChooser:
             bucket.add(width, math.log(seconds))
         if width == 0 or not accepted:
             return
-        self._reached = [count * self.decay for count in self._reached]
-        self._accepted = [count * self.decay for count in self._accepted]
-        rows_with = Counter(accepted)  # (the engine calls this every round: one pass over the rows, then per slot)
-        at_least = len(accepted)  # rows that accepted >= slot drafts: draft slot + 1 was verified for them
-        for slot in range(width):
-            self._reached[slot] += at_least
-            at_least -= rows_with[slot]
-            self._accepted[slot] += at_least
+        # (the engine calls this every round: one pass over the rows, then the decay and the counts in one pass over
+        # the slots; a row that accepted at least `slot` drafts had draft slot + 1 verified)
+        decay, reached, accepted_counts = self.decay, self._reached, self._accepted
+        rows_with, at_least = Counter(accepted), len(accepted)
+        for slot in range(len(reached)):
+            if slot < width:
+                reached[slot] = reached[slot] * decay + at_least
+                at_least -= rows_with[slot]
+                accepted_counts[slot] = accepted_counts[slot] * decay + at_least
+            else:
+                reached[slot] *= decay
+                accepted_counts[slot] *= decay
         self._expected = None
 
     def summary(self) -> dict[int, dict[int, dict[str, float | None]]]:
@@ -208,7 +212,7 @@ class _WidthTimes:
         self.reference: deque[float] = deque(maxlen=reference_rounds)
         self.samples = samples
         self._offsets: dict[int, float | None] = dict.fromkeys(widths)
-        self._level: float | None = None  # the reference's median
+        self._level: float | None = None  # the reference's median (None: to compute from `reference`)
         self.stale: set[int] = set()  # widths timed since their offset was last taken
         self.runs = dict.fromkeys(widths, 0)
         self.last_run = dict.fromkeys(widths, 0)
@@ -224,10 +228,10 @@ class _WidthTimes:
         measured while the machine was still warming up): they are dropped and the width is timed again."""
         if width == self.best:
             self.reference.append(log_seconds)
-            self._level = statistics.median(self.reference)
+            self._level = None  # (taken when read: most rounds read none)
             return
         kept = self.relative[width]
-        value = log_seconds - (self._level or 0.0)
+        value = log_seconds - self.level()
         if self.best is not None and len(kept) >= self.samples and value < min(kept):
             kept.clear()
             self.retiming.add(width)
@@ -235,6 +239,12 @@ class _WidthTimes:
         self.stale.add(width)
         if len(kept) >= self.samples:
             self.retiming.discard(width)
+
+    def level(self) -> float:
+        """The choice's log round time: the median of `reference` (0 before the first choice)."""
+        if self._level is None:
+            self._level = statistics.median(self.reference) if self.reference else 0.0
+        return self._level
 
     def offset(self, width: int) -> float | None:
         """`width`'s log time relative to the choice's: the median of its kept values once they hold `samples`
@@ -250,7 +260,7 @@ class _WidthTimes:
     def seconds(self, width: int) -> float | None:
         """`width`'s current round time (None: not measured yet)."""
         offset = self.offset(width)
-        return None if offset is None else math.exp((self._level or 0.0) + offset)
+        return None if offset is None else math.exp(self.level() + offset)
 
     def choose(self, width: int, seconds: float) -> None:
         """Makes `width` the choice, whose round takes `seconds` now (measured here or borrowed): its time becomes
@@ -258,7 +268,7 @@ class _WidthTimes:
         negated values of `width`'s)."""
         shift = self.offset(width)
         if shift is None:  # (its time borrowed from another number of rows)
-            shift = math.log(seconds) - (self._level or 0.0)
+            shift = math.log(seconds) - self.level()
         moved = list(self.relative[width])
         for other, kept in self.relative.items():
             if other != width:
@@ -269,6 +279,6 @@ class _WidthTimes:
             self.reference = deque((value + shift for value in self.reference), maxlen=self.reference.maxlen)
         else:  # before the first choice every kept value is a log time
             self.reference.extend(moved or [math.log(seconds)])
-        self._level = statistics.median(self.reference)
+        self._level = None
         self.relative[width].clear()
         self.best = width
