@@ -8,13 +8,13 @@ private `GenerationMixin` methods, and only changes their behaviour when the ass
   DSpark decodes them with its own loop);
 - `_get_candidate_generator`: returns a `DSparkCandidateGenerator` (batch size 1: transformers' own
   `_assisted_decoding` loop runs, we only draft);
-- `_assisted_decoding` (the decoding method `generate()` looks up for assisted generation, after preparing the
-  config, masks, processors and stopping criteria): for batch size > 1 it runs `batched.batched_generate`, our
-  own loop with per-row verify lengths (transformers' loop is batch-1 only), or with `cache_implementation="static"`
-  the batched fast path (`static_batch.static_assisted_decoding_batch`); for a stateful target (a cache that
-  cannot be cropped, `target_features.target_is_stateful`) it runs `stateful.stateful_generate`; with `cache_implementation="static"` it
-  runs the static-cache fast path (`static_loop.static_assisted_decoding`); otherwise it goes on to the original with
-  a `TargetLayerTap` active around it (the candidate generator reads the target's hidden states from it).
+- `_assisted_decoding` (the decoding method `generate()` looks up for assisted generation, after preparing the config,
+  masks, processors and stopping criteria): for batch size > 1 it runs `batched.batched_generate`, our own loop with
+  per-row verify lengths (transformers' loop is batch-1 only), or with `cache_implementation="static"` the batched fast
+  path (`static_batch.static_assisted_decoding_batch`); for a stateful target (a cache that cannot be cropped,
+  `target_features.target_is_stateful`) it runs `stateful.stateful_generate`; with `cache_implementation="static"` it
+  runs the static-cache fast path (`static_loop.static_assisted_decoding`); otherwise it goes on to the original with a
+  `TargetLayerTap` active around it (the candidate generator reads the target's hidden states from it).
 
 `install()` runs on `import dspark_hf`. It checks the transformers version and the three methods' signatures and
 refuses to patch a transformers it does not recognise, recording why in `DSparkDraftModel.hook_unavailable_reason`;

@@ -40,20 +40,20 @@ PENDING_ROUNDS = 4  # the drafter's pending context holds 4 (γ + 1) features: p
 
 class StaticRows:
     """Rows of `DSparkEngine` on a `StaticBatchRounds` of `max_batch_size` rows and `max_model_len` positions.
-    `drafter=None`: plain decoding rounds. Each round verifies `verify` drafts of every row (default: all γ), or as
-    many as `chooser` picks; a round is recorded to the chooser during the next one, while the device runs it (its
-    host work, 20-40 µs a round on the H200 host, would otherwise add to every round). `sampler` (the engine's `RequestSampler`: `params(rows, device)`, `first_tokens(rows,
-    logits)` and its `generator`) draws sampled requests' tokens; without one every request decodes greedily.
-    `compile`, `attention`, `fuse_projections` as in `static_generate_batch` (`compile=True`: one CUDA graph per
-    row prefix, number of verified drafts and kind, greedy or sampled). `graph_batch_sizes`: the numbers of rows a
-    round may run, each round the smallest that holds every request (`max_batch_size` is always one; default: the
-    powers of two below it). Fewer sizes compile fewer graphs; the rounds of a batch that drains then run more free
-    rows. Admission (`add`): requests join by `ChunkedAdmission` in chunks of `admission_chunk` tokens (one graph
-    whatever their lengths), up to `admission_rows` of similar lengths at once, or, when at least
-    `eager_admission_from` requests of similar lengths join at once (default: 8 × `admission_rows`, a group its chunks
-    would take 8 passes to admit), in one eager forward with the others: an eager forward of a small model costs about
-    as much for one prompt as for a few, 10-16 ms on the H200 for the 50M fixture, a chunk well under 1 ms
-    (docs/serving.md)."""
+    `drafter=None`: plain decoding rounds. Each round verifies `verify` drafts of every row (default: all γ), or as many
+    as `chooser` picks; a round is recorded to the chooser during the next one, while the device runs it (its host work,
+    20-40 µs a round on the H200 host, would otherwise add to every round). `sampler` (the engine's `RequestSampler`:
+    `params(rows, device)`, `first_tokens(rows, logits)` and its `generator`) draws sampled requests' tokens; without
+    one every request decodes greedily. `compile`, `attention`, `fuse_projections` as in `static_generate_batch`
+    (`compile=True`: one CUDA graph per row prefix, number of verified drafts and kind, greedy or sampled).
+    `graph_batch_sizes`: the numbers of rows a round may run, each round the smallest that holds every request
+    (`max_batch_size` is always one; default: the powers of two below it). Fewer sizes compile fewer graphs; the rounds
+    of a batch that drains then run more free rows. Admission (`add`): requests join by `ChunkedAdmission` in chunks of
+    `admission_chunk` tokens (one graph whatever their lengths), up to `admission_rows` of similar lengths at once, or,
+    when at least `eager_admission_from` requests of similar lengths join at once (default: 8 × `admission_rows`, a
+    group its chunks would take 8 passes to admit), in one eager forward with the others: an eager forward of a small
+    model costs about as much for one prompt as for a few, 10-16 ms on the H200 for the 50M fixture, a chunk well under
+    1 ms (docs/serving.md)."""
 
     def __init__(self, target: PreTrainedModel, drafter: DSparkDraftModel | None, max_batch_size: int,
                  max_model_len: int, compile: bool | dict = False, attention: str = "auto",

@@ -1,0 +1,140 @@
+"""Why are the hardware-aware static engine's γ = 7 rounds slower than fixed γ = 7's? GPU, a few minutes.
+
+    PYTHONPATH=src python benchmarks/round_width_overhead.py --concurrency 2 16 --out round_width_overhead_h200.json
+
+In the serving sweep (`serving_static_final_chooser_h200.json.gz`) the hardware-aware engine's rounds that verified
+7 drafts took 1-3 % longer (median draft + verify time) than the fixed γ = 7 engine's, at every concurrency, though
+both replay the same graph. Five engines on the same requests, stepped in turn in a new order every sweep, tell apart
+what differs between them:
+
+- `fixed_7`: compiled for γ = 7 only (as in the sweep);
+- `fixed_7_all_widths`: the same, with the graphs of widths 0, 1, 3 and 7 compiled too (the hardware-aware engine's
+  set), but still running 7 only;
+- `hardware_aware_pinned_7`: the hardware-aware engine with its chooser's choice pinned to 7 (it still records);
+- `hardware_aware_pinned_7_no_record`: the same, and its chooser's `record` does nothing;
+- `hardware_aware`: as in the sweep.
+
+The answer (`results/round_width_overhead_h200.json`, measured before the fix): mostly the chooser's host time. Its
+calls took 6-8 µs to choose and 18-31 µs to record, on average per round on the H200 machine, spent between one
+round's launch and the next: 2-3 % of a round at c = 2 and 16, 1.3 % at c = 128, where `hardware_aware`'s rounds
+were 1.1-4.2 % and 0.8-1.5 % longer than `fixed_7`'s. The extra graphs cost nothing (`fixed_7_all_widths`: -1.6 to
++1.5 %); pinned without `record` the engine was within 0.7 % of `fixed_7` at c = 16 and 128 (at c = 2 the runs
+scatter by ±2 %). Since then the static engine records a round during the next one, while the device runs it
+(`StaticRows.step`).
+
+Reported per engine and concurrency: the median draft + verify time of its rounds that verified 7 drafts (the
+engine's `round_log` `step_seconds`, which include the chooser's `choose` and `record`), over `--repeats` runs after
+a warm-up run, their ratio to `fixed_7`'s, and the mean host time of the `hardware_aware` chooser's calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS, environment  # noqa: E402
+from serving import load_models  # noqa: E402
+
+from dspark_hf.devices import synchronize  # noqa: E402
+from dspark_hf.serving import DSparkEngine  # noqa: E402
+
+ENGINES = ("fixed_7", "fixed_7_all_widths", "hardware_aware_pinned_7", "hardware_aware_pinned_7_no_record",
+           "hardware_aware")
+
+
+def build(name: str, target, drafter, concurrency: int, max_model_len: int) -> DSparkEngine:
+    fixed = name.startswith("fixed_7")
+    engine = DSparkEngine(target, drafter, static=True, policy="fixed" if fixed else "hardware_aware",
+                          gamma=7 if fixed else None, max_batch_size=concurrency, max_model_len=max_model_len,
+                          static_graph_batch_sizes={concurrency}, static_admission_rows=16)
+    engine.warm_up(widths=(0, 1, 3, 7) if name == "fixed_7_all_widths" else None, progress=False)
+    chooser = engine.runner.chooser
+    if name.startswith("hardware_aware_pinned_7"):
+        chooser.choose = lambda rows: 7
+    if name == "hardware_aware_pinned_7_no_record":
+        chooser.record = lambda *args: None
+    if name == "hardware_aware":
+        for method in ("choose", "record"):
+            setattr(chooser, method, timed(getattr(chooser, method), CHOOSER_SECONDS[method]))
+    return engine
+
+
+CHOOSER_SECONDS: dict[str, list[float]] = {"choose": [], "record": []}
+
+
+def timed(function, seconds: list[float]):
+    def call(*args):
+        started = time.perf_counter()
+        result = function(*args)
+        seconds.append(time.perf_counter() - started)
+        return result
+    return call
+
+
+def run(engines: dict[str, DSparkEngine], prompts, concurrency: int, new_tokens: int, seed: int) -> dict:
+    """One run: `concurrency` requests per engine, stepped in turn; each engine's γ = 7 round times (ms)."""
+    for engine in engines.values():
+        engine.round_log.clear()
+        for i in range(concurrency):
+            engine.add_request(prompts[i % len(prompts)], max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    order, shuffle = list(engines), random.Random(seed).shuffle
+    device = next(iter(engines.values())).target.device
+    while order:
+        for name in list(order):
+            if not engines[name].has_unfinished():
+                order.remove(name)
+                continue
+            synchronize(device)
+            engines[name].step()
+            synchronize(device)
+        shuffle(order)
+    return {name: [1e3 * entry["step_seconds"] for entry in engine.round_log
+                   if entry["speculative"] and max(entry["verify"]) == 7 and entry["batch"] == concurrency]
+            for name, engine in engines.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[2, 16])
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", default=str(RESULTS / "round_width_overhead_h200.json"))
+    args = parser.parse_args()
+    target, drafter, prompts = load_models("code50m", torch.bfloat16, args.device)
+    result = dict(benchmark="round_width_overhead", environment=environment(), settings=vars(args), cells={})
+    out = Path(args.out)
+    for concurrency in args.concurrency:
+        for seconds in CHOOSER_SECONDS.values():
+            seconds.clear()
+        max_model_len = max(map(len, prompts)) + args.new_tokens + 8
+        started = time.perf_counter()
+        engines = {name: build(name, target, drafter, concurrency, max_model_len) for name in ENGINES}
+        compile_seconds = time.perf_counter() - started
+        run(engines, prompts, concurrency, 8, seed=0)  # warm-up run
+        times = {name: [] for name in ENGINES}
+        for repeat in range(args.repeats):
+            for name, values in run(engines, prompts, concurrency, args.new_tokens, seed=repeat + 1).items():
+                times[name].append(statistics.median(values) if values else None)
+        cell = dict(compile_seconds=round(compile_seconds, 1), median_step_ms_runs=times,
+                    ratio_to_fixed_7_runs={name: [round(t / f, 4) if t and f else None
+                                                  for t, f in zip(times[name], times["fixed_7"])]
+                                           for name in ENGINES},
+                    chooser_call_us={method: round(1e6 * statistics.fmean(seconds), 2)
+                                     for method, seconds in CHOOSER_SECONDS.items() if seconds})
+        result["cells"][str(concurrency)] = cell
+        print(concurrency, json.dumps(cell), flush=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        del engines
+
+
+if __name__ == "__main__":
+    main()
