@@ -53,9 +53,15 @@
 #     benchmarks/chooser_replay.py).
 #     Then the final chooser (library 35acc27) at c = 256 32 8 (412 s) and c = 4 (c = 1 cut at 215 s):
 #     serving_static_final_chooser_h200.* (cells and round logs of both calls merged).
-# Next: the final chooser at c = 1, 2, 16, 64, 128 and fixed γ = 1, in calls of about 400 s (step_in_turn now shuffles
-#     the engines every sweep); the Qwen3-4B shape on the static engine (--model qwen3-4b-shape --static: acceptance
-#     replayed from the trace; no carry needed).
+# 2026-12-04 (sixteenth session): the final chooser at c = 128 64 16 (364 s) and 2 1 (361 s), library 33f25aa, the same
+#     arguments; merged into serving_static_final_chooser_h200.*. Seventeenth session: benchmarks/round_width_overhead.py (run directly
+#     after `bash benchmarks/gpu_serving_run.sh --help`, which only sets up the carry) and, with the chooser recording
+#     each round during the next (library 4341e83), the same arguments at c = 16 2 128 (347 s) and 1 64 (283 s):
+#     serving_static_deferred_record_h200.* (both calls merged).
+#     (2026-12-04, sixteenth session: --model qwen3-4b-shape --static --min-requests 16 --concurrency 1 32 finished no cell
+#     in 545 s; the four engines' compilation at c = 1 alone took 114, 163, 89 and 148 s.)
+# Next: the deferred-record chooser at c = 4, 8, 32, 256 and fixed γ = 1; the Qwen3-4B shape on the static engine needs
+#     one call per engine and concurrency (compilation).
 set -uo pipefail
 # SERVING_TIMEOUT=S stops the benchmark after S seconds (results are saved after every concurrency); 0: no limit.
 export PYTHONPATH=${DSPARK_SRC:-src}
