@@ -75,13 +75,17 @@ class MeasuredMachine:
 def replay(machines: list[MeasuredMachine], rounds: list[int], rows: int, hazards: list[float], width_policy,
            seed: int, record=None) -> tuple[float, dict[int, int]]:
     """Tokens per second of draft + verify time over `machines` (one per run; the first, the warm-up run, untimed)
-    with `width_policy(rows)` choosing each round's width; `record(width, seconds, accepted, rows)` is told every
-    round (the chooser's). Also returns the rounds of each width in the timed runs."""
+    with `width_policy(rows)` choosing each round's width; `record(width, seconds, accepted, rows)` is told of every
+    round during the next one, after that round's choice, and the last round of a run when the run ends (as
+    `StaticRows.step` does). Also returns the rounds of each width in the timed runs."""
     rng = random.Random(seed)
     tokens, seconds, used = 0, 0.0, dict.fromkeys(WIDTHS, 0)
     for run, (machine, count) in enumerate(zip(machines, rounds)):
+        unrecorded = None
         for index in range(count):
             width = width_policy(rows)
+            if record is not None and unrecorded is not None:
+                record(*unrecorded)
             took = machine.seconds(width, index / count)
             accepted = []
             for _ in range(rows):
@@ -89,13 +93,14 @@ def replay(machines: list[MeasuredMachine], rounds: list[int], rows: int, hazard
                 while drafts < width and rng.random() < hazards[drafts]:
                     drafts += 1
                 accepted.append(drafts)
-            if record is not None:
-                record(width, took, accepted, rows)
+            unrecorded = (width, took, accepted, rows)
             if run == 0:
                 continue
             tokens += rows + sum(accepted)
             seconds += took
             used[width] += 1
+        if record is not None and unrecorded is not None:
+            record(*unrecorded)
     return tokens / seconds, used
 
 
