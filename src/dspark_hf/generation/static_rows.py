@@ -42,7 +42,7 @@ class StaticRows:
     """Rows of `DSparkEngine` on a `StaticBatchRounds` of `max_batch_size` rows and `max_model_len` positions.
     `drafter=None`: plain decoding rounds. Each round verifies `verify` drafts of every row (default: all γ), or as many
     as `chooser` picks; a round is recorded to the chooser during the next one, while the device runs it (its host work,
-    20-40 µs a round on the H200 host, would otherwise add to every round). `sampler` (the engine's `RequestSampler`:
+    24-40 µs a round on the H200 host, would otherwise add to every round). `sampler` (the engine's `RequestSampler`:
     `params(rows, device)`, `first_tokens(rows, logits)` and its `generator`) draws sampled requests' tokens; without
     one every request decodes greedily. `compile`, `attention`, `fuse_projections` as in `static_generate_batch`
     (`compile=True`: one CUDA graph per row prefix, number of verified drafts and kind, greedy or sampled).
