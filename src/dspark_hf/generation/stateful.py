@@ -2,8 +2,8 @@
 
 transformers' assisted loop rolls the target's cache back with `Cache.crop` after every round, so it refuses stateful
 targets (`target_features.target_is_stateful`): DeepSeek-V4's compressor (CSA/HCA) layers and, before transformers 5.25,
-recurrent / Mamba / linear-attention layers. Their state after position p cannot be recovered from their state after p +
-k. `hook.py` routes such targets here; this loop never crops:
+recurrent / Mamba / linear-attention layers. Their state after position p cannot be recovered from their state after
+p + k. `hook.py` routes such targets here; this loop never crops:
 
 - before a target forward that verifies drafts, it keeps a copy of the target's cache (`copy.deepcopy`);
 - after a full accept the cache is already right and the copy is dropped;
