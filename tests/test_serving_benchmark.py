@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import shared_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 serving = pytest.importorskip("serving")
@@ -241,3 +242,23 @@ def test_engines_stepped_in_turn_meet_every_neighbour_alike():
         for after in names:
             if before != after:
                 assert 150 < follows[before, after] < 250, (before, after, follows[before, after])  # about 1/4 of 600
+
+
+@pytest.mark.fixtures
+@pytest.mark.slow
+def test_round_width_overhead_times_every_engine_on_the_code_fixture(tmp_path, monkeypatch):
+    """benchmarks/round_width_overhead.py on the CPU (the 50M fixture, 2 rows, 8 tokens): every engine's γ = 7 rounds
+    are timed, fixed γ = 7 is the reference, and the hardware-aware chooser's calls are timed."""
+    shared_path("fixtures", "code-llama-50m")
+    shared_path("data", "humaneval", "HumanEval.jsonl.gz")
+    overhead = pytest.importorskip("round_width_overhead")
+    out = tmp_path / "overhead.json"
+    monkeypatch.setattr(sys, "argv", ["round_width_overhead.py", "--device", "cpu", "--concurrency", "2",
+                                      "--new-tokens", "8", "--repeats", "1", "--out", str(out)])
+    overhead.main()
+    cell = json.loads(out.read_text())["cells"]["2"]
+    times = cell["median_step_ms_runs"]
+    assert set(times) == set(overhead.ENGINES)
+    assert all(times[name][0] > 0 for name in overhead.ENGINES if name != "hardware_aware")  # (it may not reach 7)
+    assert cell["ratio_to_fixed_7_runs"]["fixed_7"] == [1.0]
+    assert cell["chooser_call_us"]["choose"] > 0 and cell["chooser_call_us"]["record"] > 0
