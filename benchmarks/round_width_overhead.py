@@ -1,6 +1,6 @@
 """Why are the hardware-aware static engine's γ = 7 rounds slower than fixed γ = 7's? GPU, a few minutes.
 
-    PYTHONPATH=src python benchmarks/round_width_overhead.py --concurrency 2 16 --out round_width_overhead_h200.json
+    PYTHONPATH=src python benchmarks/round_width_overhead.py --concurrency 2 16 128 --repeats 3
 
 In the serving sweep (`serving_static_final_chooser_h200.json.gz`) the hardware-aware engine's rounds that verified
 7 drafts took 1-3 % longer (median draft + verify time) than the fixed γ = 7 engine's, at every concurrency, though
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import sys
 import time
@@ -41,9 +40,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, environment  # noqa: E402
-from serving import load_models  # noqa: E402
+from serving import load_models, step_in_turn  # noqa: E402
 
-from dspark_hf.devices import synchronize  # noqa: E402
 from dspark_hf.serving import DSparkEngine  # noqa: E402
 
 ENGINES = ("fixed_7", "fixed_7_all_widths", "hardware_aware_pinned_7", "hardware_aware_pinned_7_no_record",
@@ -80,22 +78,13 @@ def timed(function, seconds: list[float]):
 
 
 def run(engines: dict[str, DSparkEngine], prompts, concurrency: int, new_tokens: int, seed: int) -> dict:
-    """One run: `concurrency` requests per engine, stepped in turn; each engine's γ = 7 round times (ms)."""
+    """One run: `concurrency` requests per engine, stepped in turn (`serving.step_in_turn`); each engine's γ = 7
+    round times (ms)."""
     for engine in engines.values():
         engine.round_log.clear()
         for i in range(concurrency):
             engine.add_request(prompts[i % len(prompts)], max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    order, shuffle = list(engines), random.Random(seed).shuffle
-    device = next(iter(engines.values())).target.device
-    while order:
-        for name in list(order):
-            if not engines[name].has_unfinished():
-                order.remove(name)
-                continue
-            synchronize(device)
-            engines[name].step()
-            synchronize(device)
-        shuffle(order)
+    step_in_turn(engines, seed=seed)
     return {name: [1e3 * entry["step_seconds"] for entry in engine.round_log
                    if entry["speculative"] and max(entry["verify"]) == 7 and entry["batch"] == concurrency]
             for name, engine in engines.items()}
