@@ -463,24 +463,37 @@ class RecordingWidths(RandomWidths):
         self.calls.append(("record", width, rows, list(accepted)))
 
 
-def test_static_engine_records_each_round_to_the_chooser_during_the_next(models):
-    """The static engine hands a round's width, rows and accepted drafts to its chooser during the next round (after
-    that round's choice, before its synchronisation), so the chooser's host work overlaps the device's: every round
-    is recorded exactly once, in order, right after the next round's choice; the last one when its rows leave."""
+def test_static_engine_calls_its_chooser_while_the_device_runs_a_round(models):
+    """The static engine's chooser works while the device runs a round: after launching round k it records round
+    k - 1 (width, rows, accepted drafts), then chooses round k + 1's width for as many rows as round k runs. Round
+    k + 1 uses that choice, or, when it runs another number of rows (here the batch drains from 4 rows to 2 to 1), one
+    made afresh before it. Every round is recorded exactly once, in order; the last one when its rows leave."""
     target, drafter = models
-    engine = DSparkEngine(target, drafter, max_batch_size=4, max_model_len=64, static=True, policy="hardware_aware",
+    engine = DSparkEngine(target, drafter, max_batch_size=4, max_model_len=96, static=True, policy="hardware_aware",
                           default_sampling={"temperature": 0})
     chooser = engine.runner.chooser = RecordingWidths(engine.runner.chooser.widths, seed=1)
-    for prompt in ([5, 6, 7], [8, 9], [10, 11, 12, 13]):
-        engine.add_request(prompt, max_tokens=24)
+    for prompt, max_tokens in (([5, 6, 7], 24), ([8, 9], 8), ([10, 11, 12, 13], 40)):  # rows 1, 2, 0
+        engine.add_request(prompt, max_tokens=max_tokens)
     engine.run()
-    kinds = [call[0] for call in chooser.calls]
-    assert kinds == ["choose"] + ["choose", "record"] * (len(engine.round_log) - 1) + ["record"]
-    choices, records = ([call for call in chooser.calls if call[0] == kind] for kind in ("choose", "record"))
-    assert len(records) > 5
-    for choice, record, entry in zip(choices, records, engine.round_log):
-        assert choice[1] == entry["verify"][0] == record[1] and choice[2] == record[2]
-        assert len(record[3]) == entry["batch"] and all(0 <= a <= choice[1] for a in record[3])
+    calls = iter(chooser.calls)
+    records = [call for call in chooser.calls if call[0] == "record"]
+    assert len(records) == len(engine.round_log) > 5
+    planned, fresh = None, []
+    for index, (entry, (_, width, rows, accepted)) in enumerate(zip(engine.round_log, records)):
+        if planned is None or planned[2] != rows:
+            decided = next(calls)
+            assert decided[0] == "choose" and decided[2] == rows
+            fresh.append(rows)
+        else:
+            decided = planned
+        assert decided[1] == width == entry["verify"][0]
+        assert len(accepted) == entry["batch"] and all(0 <= a <= width for a in accepted)
+        if index > 0:
+            assert next(calls) == records[index - 1]
+        planned = next(calls)
+        assert planned[0] == "choose" and planned[2] == rows
+    assert next(calls) == records[-1] and next(calls, None) is None
+    assert fresh == [4, 2, 1]
 
 
 @pytest.mark.parametrize("head", [dict(), dict(head_type="rnn"), dict(markov_rank=0, confidence=False)],
@@ -577,7 +590,7 @@ def test_static_engine_compiles_every_graph_at_warm_up_and_none_while_serving():
                                                               engine.round_log[greedy_rounds:])]
     assert ran[0] == set(widths) and len(ran[1]) > 1
     assert len(compilations) == graphs  # nothing compiled while serving
-    engine.add_request([5, 6], max_tokens=4)
+    engine.add_request([5, 6], max_tokens=20)  # (more than one round commits)
     engine.step()
     with pytest.raises(RuntimeError, match="before the first request"):
         engine.warm_up()

@@ -41,10 +41,12 @@ PENDING_ROUNDS = 4  # the drafter's pending context holds 4 (γ + 1) features: p
 class StaticRows:
     """Rows of `DSparkEngine` on a `StaticBatchRounds` of `max_batch_size` rows and `max_model_len` positions.
     `drafter=None`: plain decoding rounds. Each round verifies `verify` drafts of every row (default: all γ), or as many
-    as `chooser` picks; a round is recorded to the chooser during the next one, while the device runs it (its host work,
-    24-40 µs a round on the H200 host, would otherwise add to every round). `sampler` (the engine's `RequestSampler`:
-    `params(rows, device)`, `first_tokens(rows, logits)` and its `generator`) draws sampled requests' tokens; without
-    one every request decodes greedily. `compile`, `attention`, `fuse_projections` as in `static_generate_batch`
+    as `chooser` picks. The chooser's host work (24-39 µs a round on the H200 host) overlaps the device's: while a round
+    runs, the round before it is recorded, then the next round's width chosen for as many rows as this one runs
+    (chosen again if the next round runs another number); a choice thus reads every round but the last, as it did
+    when made right before its round. `sampler` (the engine's `RequestSampler`: `params(rows, device)`,
+    `first_tokens(rows, logits)` and its `generator`) draws sampled requests' tokens; without one every request
+    decodes greedily. `compile`, `attention`, `fuse_projections` as in `static_generate_batch`
     (`compile=True`: one CUDA graph per row prefix, number of verified drafts and kind, greedy or sampled).
     `graph_batch_sizes`: the numbers of rows a round may run, each round the smallest that holds every request
     (`max_batch_size` is always one; default: the powers of two below it). Fewer sizes compile fewer graphs; the rounds
@@ -116,6 +118,7 @@ class StaticRows:
                              f"{None if chooser is None else chooser.widths}.")
         self.verify, self.chooser = verify, chooser
         self._unrecorded: tuple | None = None  # the last round, for `chooser.record` during the next one
+        self._planned: tuple[int, int] | None = None  # (rows, width): the next round's width, chosen during this one
 
     @property
     def rows(self) -> list[Row]:
@@ -278,8 +281,9 @@ class StaticRows:
         if freed:
             self._owners_changed()
             self._set_sampling(freed, None)
-        if not self.occupied:  # no next round to record the last one during
+        if not self.occupied:  # no next round to record the last one during, nor to use a choice made before it
             self._record_last_round()
+            self._planned = None
 
     def _record_last_round(self) -> None:
         if self._unrecorded is not None:
@@ -294,7 +298,13 @@ class StaticRows:
         last = occupied[-1]
         count = self.graph_batch_sizes[bisect.bisect_left(self.graph_batch_sizes, last + 1)]
         rounds = self.rounds.prefix(count)
-        verify = self.chooser.choose(count) if self.chooser is not None else self.verify
+        planned, self._planned = self._planned, None
+        if self.chooser is None:
+            verify = self.verify
+        elif planned is not None and planned[0] == count:
+            verify = planned[1]
+        else:  # the first round, or the number of rows changed since the choice
+            verify = self.chooser.choose(count)
         started = time.perf_counter()
         with self._kernels(), self._part("verify_forward"):  # (the whole round: one graph)
             with self._tap(rounds):
@@ -306,7 +316,9 @@ class StaticRows:
                     self._sampled_round(rounds, verify, filtered=any(self.filtered))
                 else:
                     rounds.greedy_round(verify)()
-            self._record_last_round()  # its times and acceptance, while the device runs this round
+            if self.chooser is not None:  # while the device runs this round: the last round's times and
+                self._record_last_round()  # acceptance, then the next round's width (if it runs as many rows)
+                self._planned = (count, self.chooser.choose(count))
             # the round's one synchronisation: accepted drafts and the up to verify + 1 tokens committed, per row
             record = rounds.record[:, : verify + 2].tolist()
         seconds = time.perf_counter() - started
