@@ -60,8 +60,12 @@
 #     serving_static_deferred_record_h200.* (both calls merged).
 #     (2026-12-04, sixteenth session: --model qwen3-4b-shape --static --min-requests 16 --concurrency 1 32 finished no cell
 #     in 545 s; the four engines' compilation at c = 1 alone took 114, 163, 89 and 148 s.)
-# Next: the deferred-record chooser at c = 4, 8, 32, 256 and fixed γ = 1; the Qwen3-4B shape on the static engine needs
-#     one call per engine and concurrency (compilation).
+# Eighteenth session: the same arguments at c = 256 32 8 (368 s) and, with fixed_1 in --policies, 4 32 1 (361 s),
+#     library d52a697, merged into serving_static_deferred_record_h200.*; then, with the next round's width chosen
+#     during the current one (library 42634cb), c = 1 2 32 4 (565 s; 4 cut), 4 (87 s) and 8 (143 s):
+#     serving_static_overlapped_choice_h200.* (the three calls merged).
+# Next: the overlapped choice at c = 16, 64, 128, 256; the Qwen3-4B shape on the static engine needs one call per engine
+#     and concurrency (compilation).
 set -uo pipefail
 # SERVING_TIMEOUT=S stops the benchmark after S seconds (results are saved after every concurrency); 0: no limit.
 export PYTHONPATH=${DSPARK_SRC:-src}

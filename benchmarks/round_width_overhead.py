@@ -19,8 +19,8 @@ calls took 6-8 µs to choose and 18-31 µs to record, on average per round on th
 round's launch and the next: 2-3 % of a round at c = 2 and 16, 1.3 % at c = 128, where `hardware_aware`'s rounds
 were 1.1-4.2 % and 0.8-1.5 % longer than `fixed_7`'s. The extra graphs cost nothing (`fixed_7_all_widths`: -1.6 to
 +1.5 %); pinned without `record` the engine was within 0.7 % of `fixed_7` at c = 16 and 128 (at c = 2 the runs
-scatter by ±2 %). Since then the static engine records a round during the next one, while the device runs it
-(`StaticRows.step`).
+scatter by ±2 %). Since then the static engine records a round during the next one, while the device runs it, and
+chooses the round after then too (`StaticRows.step`).
 
 Reported per engine and concurrency: the median draft + verify time of its rounds that verified 7 drafts (the
 engine's `round_log` `step_seconds`, which include the chooser's `choose` and `record`), over `--repeats` runs after

@@ -336,7 +336,7 @@ class StaticRows:
             accepted_drafts.append(accepted)
             pending[index] = pending[index] + 1 if verify == 0 else accepted + 1
         self.drafted_last_round = verify > 0
-        if self.chooser is not None:  # recorded during the next round (one round late: its choice cannot read it)
+        if self.chooser is not None:  # recorded during the next round (whose width was chosen without it)
             self._unrecorded = (verify, seconds, accepted_drafts, count)
         return committed
 
