@@ -590,7 +590,7 @@ def test_static_engine_compiles_every_graph_at_warm_up_and_none_while_serving():
                                                               engine.round_log[greedy_rounds:])]
     assert ran[0] == set(widths) and len(ran[1]) > 1
     assert len(compilations) == graphs  # nothing compiled while serving
-    engine.add_request([5, 6], max_tokens=20)  # (more than one round commits)
+    engine.add_request([5, 6], max_tokens=20)  # (a round commits at most 8: still running after one)
     engine.step()
     with pytest.raises(RuntimeError, match="before the first request"):
         engine.warm_up()

@@ -303,8 +303,8 @@ class StaticRows:
             verify = self.verify
         elif planned is not None and planned[0] == count:
             verify = planned[1]
-        else:  # the first round, or the number of rows changed since the choice
-            verify = self.chooser.choose(count)
+        else:  # the first round, or the number of rows changed since the choice (the chooser counted that one as a
+            verify = self.chooser.choose(count)  # round of the other number: a refresh due there may be skipped once)
         started = time.perf_counter()
         with self._kernels(), self._part("verify_forward"):  # (the whole round: one graph)
             with self._tap(rounds):
