@@ -54,12 +54,12 @@
 #     Then the final chooser (library 35acc27) at c = 256 32 8 (412 s) and c = 4 (c = 1 cut at 215 s):
 #     serving_static_final_chooser_h200.* (cells and round logs of both calls merged).
 # 2026-12-04 (sixteenth session): the final chooser at c = 128 64 16 (364 s) and 2 1 (361 s), library 33f25aa, the same
-#     arguments; merged into serving_static_final_chooser_h200.*. Seventeenth session: benchmarks/round_width_overhead.py (run directly
-#     after `bash benchmarks/gpu_serving_run.sh --help`, which only sets up the carry) and, with the chooser recording
-#     each round during the next (library 4341e83), the same arguments at c = 16 2 128 (347 s) and 1 64 (283 s):
-#     serving_static_deferred_record_h200.* (both calls merged).
-#     (2026-12-04, sixteenth session: --model qwen3-4b-shape --static --min-requests 16 --concurrency 1 32 finished no cell
-#     in 545 s; the four engines' compilation at c = 1 alone took 114, 163, 89 and 148 s.)
+#     arguments; merged into serving_static_final_chooser_h200.*. (Also --model qwen3-4b-shape --static --min-requests
+#     16 --concurrency 1 32: no cell in 545 s; the four engines' compilation at c = 1 alone took 114, 163, 89, 148 s.)
+# Seventeenth session: benchmarks/round_width_overhead.py (run directly after `bash benchmarks/gpu_serving_run.sh
+#     --help`, which only sets up the carry) and, with the chooser recording each round during the next (library
+#     4341e83), the same arguments at c = 16 2 128 (347 s) and 1 64 (283 s): serving_static_deferred_record_h200.*
+#     (both calls merged).
 # Eighteenth session: the same arguments at c = 256 32 8 (368 s) and, with fixed_1 in --policies, 4 32 1 (361 s),
 #     library d52a697, merged into serving_static_deferred_record_h200.*; then, with the next round's width chosen
 #     during the current one (library 42634cb), c = 1 2 32 4 (565 s; 4 cut), 4 (87 s) and 8 (143 s):
