@@ -32,11 +32,11 @@ finish at different rounds and the last rounds run a nearly empty batch, while p
 Request lengths are drawn uniformly from `--max-new-tokens` × (1 ± `--length-spread`), the same draw for every
 policy: with equal lengths, plain rows would also finish in lockstep and be refilled by one prefill per wave, where
 speculative rows (and any real workload) need many small ones.
-A short warm-up run (8 tokens, same concurrency and policy) precedes the timed runs. The timed runs are
-interleaved: one engine per policy, all fed the same requests, stepped in turn one round at a time (in a new order
-every sweep, since a round's time depends on the round before it), each engine's time being the sum of its own
-rounds' wall-clock seconds (`run_interleaved`). Every round here is host-bound, and
-the H200 machine's virtual CPU runs the same Python up to 2x slower for seconds at a time
+A short warm-up run (`--warm-up-tokens`, default 8 tokens, same concurrency and policy) precedes the timed runs.
+The timed runs are interleaved: one engine per policy, all fed the same requests, stepped in turn one round at a
+time (in a new order every sweep, since a round's time depends on the round before it), each engine's time being
+the sum of its own rounds' wall-clock seconds (`run_interleaved`). Every round here is host-bound, and the H200
+machine's virtual CPU runs the same Python up to 2x slower for seconds at a time
 (`results/host_phases_h200.json`): cells run one after another each met their own phase, and runs of one cell
 differed by up to 1.6x. Stepped in turn, every policy sees the same phases. `--sequential` runs the cells one
 after another instead, as before 2026-12-01. A cell reports the run with the median tokens/s over `--repeats` runs
@@ -292,8 +292,8 @@ def make_engine(target, drafter, concurrency: int, setting: dict, sps_table, **o
 
 
 def warm_up_args(args: argparse.Namespace) -> argparse.Namespace:
-    """A cell's arguments for its warm-up run: 8 new tokens per request."""
-    return argparse.Namespace(**{**vars(args), "max_new_tokens": 8})
+    """A cell's arguments for its warm-up run: `--warm-up-tokens` new tokens per request (default 8)."""
+    return argparse.Namespace(**{**vars(args), "max_new_tokens": getattr(args, "warm_up_tokens", 8)})
 
 
 def request_lengths(count: int, args) -> list[int]:
@@ -750,6 +750,10 @@ def main() -> None:
                         help="--static: the rows a round may run are the N largest of c, c/2, c/4, ... at concurrency "
                              "c (DSparkEngine's static_graph_batch_sizes; fewer graphs to compile, draining batches "
                              "run more free rows); default 0: every power of two")
+    parser.add_argument("--warm-up-tokens", type=int, default=8,
+                        help="new tokens per request of each cell's warm-up run (the hardware-aware chooser explores "
+                             "every width there and lives on into the timed runs; with 8, its first refreshes fall "
+                             "into the first timed run)")
     parser.add_argument("--admission-batch", type=int, default=1,
                         help="--static: DSparkEngine's admission_batch (waiting requests join once this many rows are "
                              "free; capped at the concurrency)")

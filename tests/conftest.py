@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 
@@ -20,6 +21,14 @@ def shared_path(*parts: str) -> Path:
     if not path.exists():
         pytest.skip(f"{path} is absent (../shared is only present in the development workspace)")
     return path
+
+
+@pytest.fixture(autouse=True)
+def unfrozen_gc():
+    """Gives the garbage collector back what a static engine's `warm_up()` froze (`gc.freeze()`), so that one test's
+    objects do not outlive it."""
+    yield
+    gc.unfreeze()
 
 
 # Started first, in this order (seconds on the 2-core CI machine, under `-n 2`): with `--maxschedchunk 1` each xdist

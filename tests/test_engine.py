@@ -3,6 +3,7 @@ clear refusals of bad requests, text / chat / stop-string prompts, a background 
 
 from __future__ import annotations
 
+import gc
 import itertools
 import random
 
@@ -605,7 +606,11 @@ def test_static_engine_runs_only_the_graph_batch_sizes_it_is_given(models):
     engine = DSparkEngine(target, drafter, max_batch_size=4, max_model_len=64, static=True, policy="hardware_aware",
                           static_graph_batch_sizes=(2,), default_sampling={"temperature": 0})
     assert engine.runner.graph_batch_sizes == (2, 4)
-    assert engine.warm_up(widths, progress=False) == 2 * len(widths) + 2 + 1  # (+ flushes, the admission chunk)
+    gc.unfreeze()
+    graphs = 2 * len(widths) + 2 + 1  # (+ flushes, the admission chunk)
+    assert engine.warm_up(widths, progress=False, freeze_gc=False) == graphs and gc.get_freeze_count() == 0
+    assert engine.warm_up(widths, progress=False) == graphs and gc.get_freeze_count() > 0
+    assert all(item is not engine for item in gc.get_objects())  # frozen: out of the collector's reach
     engine.runner.chooser = RandomWidths(widths, seed=1, plain_share=0.5)
     serve_exactly(engine, target, random.Random(5), 6, 10, (1, 30))
     assert set(engine.runner.rounds._prefixes) == {2}  # (4 rows: the rounds object itself)

@@ -16,6 +16,7 @@ docs/serving.md for the design and what is left to measure on the GPU).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import threading
 import time
@@ -389,17 +390,26 @@ class DSparkEngine:
             raise ValueError("round_profile() needs DSparkEngine(..., profile_rounds=True).")
         return self.runner.profiler.report()
 
-    def warm_up(self, widths: Iterable[int] | None = None, sampled: bool = False, progress: bool = True) -> int:
+    def warm_up(self, widths: Iterable[int] | None = None, sampled: bool = False, progress: bool = True,
+                freeze_gc: bool = True) -> int:
         """Static engine: before the first request, runs each round graph that rounds verifying `widths` drafts
         (default: the policy's) can need, per row prefix, greedy (and with `sampled`, sampled), the flush and the
         admission chunk (`StaticRows.warm_up`), so that with `static_compile` no compilation stalls serving later.
-        Returns the number of graphs run; the eager engine has none (0)."""
+        Returns the number of graphs run; the eager engine has none (0).
+
+        With `freeze_gc` (default), every object alive afterwards is moved out of the garbage collector's reach
+        (`gc.collect()`, then `gc.freeze()`, as vLLM does after start-up): a process that compiled dozens of graphs
+        holds many Python objects, and on the H200 a full collection over them paused serving for about a second. Frozen objects are still freed when their last reference goes; `gc.unfreeze()` undoes it."""
         if not isinstance(self.runner, StaticRows):
             return 0
         if self.has_unfinished() or self.running_in_background:
             raise RuntimeError("warm_up() runs before the first request and before start().")
         with self._lock:
-            return self.runner.warm_up(widths, sampled, progress)
+            graphs = self.runner.warm_up(widths, sampled, progress)
+        if freeze_gc:
+            gc.collect()
+            gc.freeze()
+        return graphs
 
     def run(self) -> dict[str, RequestOutput]:
         """Steps until every request has finished; returns the outputs, by id, of the requests that were unfinished
