@@ -346,6 +346,8 @@ def patch_for(engine: DSparkEngine, trace, record: bool, seed: int):
 
 def cell_result(engine: DSparkEngine, handles: list, seconds: float, concurrency: int) -> dict:
     log = engine.round_log
+    if len(log) == log.maxlen:
+        raise RuntimeError(f"the run took {log.maxlen} rounds or more, more than the engine's round log keeps")
     tokens = sum(len(h.tokens) for h in handles)
     accepted = [n for entry in log for n in entry["accepted"]]
     return dict(
@@ -453,7 +455,7 @@ def run_interleaved(target, drafter, prompts, concurrency: int, settings: dict[s
     recorder = patches.get(record)
     recorded = recorder.trace(prompts) if isinstance(recorder, TraceRecorder) else None
     if round_logs is not None:
-        round_logs.update({name: engine.round_log for name, engine in engines.items()})
+        round_logs.update({name: list(engine.round_log) for name, engine in engines.items()})
     return {name: cell_result(engine, handles[name], seconds[name], concurrency) | pauses[name]
             for name, engine in engines.items()}, recorded
 

@@ -86,8 +86,8 @@ def cell(engine: DSparkEngine, prompts, concurrency: int, args, profile: cProfil
     return seconds, engine.round_log
 
 
-def median_round_ms(log: list[dict]) -> float:
-    return round(1e3 * statistics.median(entry["seconds"] for entry in log[2:]), 2)
+def median_round_ms(log: Iterable[dict]) -> float:
+    return round(1e3 * statistics.median(entry["seconds"] for entry in itertools.islice(log, 2, None)), 2)
 
 
 def host_phases(out: str, device: str) -> None:

@@ -21,6 +21,7 @@ from dspark_hf.generation.static_admission import ChunkedAdmission
 from dspark_hf.generation.static_batch import StaticBatchRounds
 from dspark_hf.scheduling import RoundWidthChooser, SpeculationGuard, SPSTable
 from dspark_hf.serving import DSparkEngine
+from dspark_hf.serving import engine as engine_module
 
 VOCAB_SIZE = 48
 EOS = 2
@@ -190,10 +191,12 @@ def test_policies_give_per_request_verify_lengths_and_stay_exact(models, policy,
         assert len(set(verified)) > 2
 
 
-def test_finished_requests_leave_the_engine_and_run_returns_what_it_saw_finish(models):
+def test_finished_requests_leave_the_engine_and_run_returns_what_it_saw_finish(models, monkeypatch):
     """A long-running engine holds only unfinished requests: the handle keeps a finished request's result, its id
-    may be used again, cancelling it changes nothing, and `run()` returns the requests unfinished when it started."""
+    may be used again, cancelling it changes nothing, and `run()` returns the requests unfinished when it started.
+    Its round log keeps the last `ROUND_LOG_ROUNDS` rounds."""
     target, drafter = models
+    monkeypatch.setattr(engine_module, "ROUND_LOG_ROUNDS", 3)
     engine = DSparkEngine(target, drafter, max_batch_size=2, default_sampling={"temperature": 0})
     first = engine.add_request([5, 9, 11], max_tokens=6, request_id="a")
     assert list(first.stream()) == solo(target, [5, 9, 11], 6) and engine.requests == {}
@@ -208,6 +211,10 @@ def test_finished_requests_leave_the_engine_and_run_returns_what_it_saw_finish(m
     assert engine.run() == {}
     with pytest.raises(ValueError, match="Unknown request_id"):
         engine.cancel("a")
+    last_round = engine.round_log[-1]["ended"]
+    engine.add_request([4, 6], max_tokens=30)  # (at most 8 tokens a round: four rounds or more)
+    engine.run()
+    assert len(engine.round_log) == 3 and engine.round_log[0]["ended"] > last_round  # the last three rounds only
 
 
 def test_bad_requests_are_refused_without_disturbing_others(models):
@@ -587,8 +594,8 @@ def test_static_engine_compiles_every_graph_at_warm_up_and_none_while_serving():
                                   top_p=0.9 if index else 1.0, ignore_eos=True) for index in range(3)]
     engine.run()
     assert all(len(handle.tokens) == 30 for handle in sampled)
-    ran = [{entry["verify"][0] for entry in log} for log in (engine.round_log[:greedy_rounds],
-                                                              engine.round_log[greedy_rounds:])]
+    log = list(engine.round_log)
+    ran = [{entry["verify"][0] for entry in rounds} for rounds in (log[:greedy_rounds], log[greedy_rounds:])]
     assert ran[0] == set(widths) and len(ran[1]) > 1
     assert len(compilations) == graphs  # nothing compiled while serving
     engine.add_request([5, 6], max_tokens=20)  # (a round commits at most 8: still running after one)

@@ -90,6 +90,7 @@ class RequestSampler:
                       top_k=top_k, top_p=top_p, seeds=seeds.to(device))
 
 
+ROUND_LOG_ROUNDS = 16384  # rounds `DSparkEngine.round_log` keeps (one dict with two lists of batch size per round)
 STATIC_WIDTHS = (0, 1, 3)  # with the drafter's γ: the numbers of verified drafts the static hardware-aware policy
 # chooses among (one compiled graph each)
 
@@ -240,8 +241,9 @@ class DSparkEngine:
         self.waiting: deque[Request] = deque()
         # per round: batch, requests admitted, verify lengths, accepted, drafted?, width, holes, seconds (admission and
         # round), admit_seconds (the admitted requests' prefill and first tokens), step_seconds (the draft + verify
-        # round), ended (time.perf_counter() at the round's end)
-        self.round_log: list[dict] = []
+        # round), ended (time.perf_counter() at the round's end); the last ROUND_LOG_ROUNDS rounds (a server runs
+        # hundreds of rounds a second)
+        self.round_log: deque[dict] = deque(maxlen=ROUND_LOG_ROUNDS)
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._stop_criteria: dict[tuple[str, ...], StopStringCriteria] = {}
@@ -398,8 +400,9 @@ class DSparkEngine:
         Returns the number of graphs run; the eager engine has none (0).
 
         With `freeze_gc` (default), every object alive afterwards is moved out of the garbage collector's reach
-        (`gc.collect()`, then `gc.freeze()`, as vLLM does after start-up): a process that compiled dozens of graphs
-        holds many Python objects, and on the H200 a full collection over them paused serving for about a second. Frozen objects are still freed when their last reference goes; `gc.unfreeze()` undoes it."""
+        (`gc.collect()`, then `gc.freeze()`, as vLLM and SGLang do after start-up): a process that compiled dozens of
+        graphs holds many Python objects, and on the H200 a full collection over them paused serving for about a
+        second. Frozen objects are still freed when their last reference goes; `gc.unfreeze()` undoes it."""
         if not isinstance(self.runner, StaticRows):
             return 0
         if self.has_unfinished() or self.running_in_background:
