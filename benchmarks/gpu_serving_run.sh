@@ -64,8 +64,13 @@
 #     library d52a697, merged into serving_static_deferred_record_h200.*; then, with the next round's width chosen
 #     during the current one (library 42634cb), c = 1 2 32 4 (565 s; 4 cut), 4 (87 s) and 8 (143 s):
 #     serving_static_overlapped_choice_h200.* (the three calls merged).
-# Next: the overlapped choice at c = 16, 64, 128, 256; the Qwen3-4B shape on the static engine needs one call per engine
-#     and concurrency (compilation).
+# Nineteenth session: the same arguments at c = 16 64 128 (353 s) and 256 (library 9642fa7 = 42634cb's engine), merged
+#     into serving_static_overlapped_choice_h200.*; in the c = 256 call a second run with --warm-up-tokens 64 at c = 32
+#     64 (log only: run with OUT=$OUT/a and $OUT/b, the two left more files under $OUT than a call returns; delete the
+#     serving_*h200.* copies below from $OUT when a call runs the script twice). Then, with warm_up() freezing the
+#     collector (library e32937f), c = 256 128 32 (372 s) and 64 16 4 (363 s): serving_static_gc_freeze_h200.*.
+# Next: the Qwen3-4B shape on the static engine needs one call per engine and concurrency (compilation); c = 1, 2, 8
+#     with the collector frozen.
 set -uo pipefail
 # SERVING_TIMEOUT=S stops the benchmark after S seconds (results are saved after every concurrency); 0: no limit.
 export PYTHONPATH=${DSPARK_SRC:-src}
