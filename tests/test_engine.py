@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import itertools
 import random
+import weakref
 
 import pytest
 import torch
@@ -606,8 +607,9 @@ def test_static_engine_compiles_every_graph_at_warm_up_and_none_while_serving():
 
 def test_static_engine_runs_only_the_graph_batch_sizes_it_is_given(models):
     """`static_graph_batch_sizes=(2,)` on 4 rows: warm_up runs 2 sizes (2 and the whole 4) × 2 widths + 2 flushes;
-    rounds of any occupancy run 2 or 4 rows, never 1, and stay exact. Sizes outside 1..max_batch_size are refused,
-    as is the option on the eager engine."""
+    rounds of any occupancy run 2 or 4 rows, never 1, and stay exact. warm_up freezes the collector's objects unless
+    told not to; the engine is still freed when dropped. Sizes outside 1..max_batch_size are refused, as is the
+    option on the eager engine."""
     target, drafter = models
     widths = (0, drafter.config.num_draft_slots)
     engine = DSparkEngine(target, drafter, max_batch_size=4, max_model_len=64, static=True, policy="hardware_aware",
@@ -622,6 +624,10 @@ def test_static_engine_runs_only_the_graph_batch_sizes_it_is_given(models):
     serve_exactly(engine, target, random.Random(5), 6, 10, (1, 30))
     assert set(engine.runner.rounds._prefixes) == {2}  # (4 rows: the rounds object itself)
     assert {entry["batch"] for entry in engine.round_log} >= {1, 4}  # one request alone ran on 2 rows
+    dropped = weakref.ref(engine)
+    del engine
+    gc.collect()
+    assert dropped() is None  # frozen, and still freed (with its caches) once nothing refers to it
     for sizes in ((0, 2), (8,)):
         with pytest.raises(ValueError, match="graph_batch_sizes must lie in"):
             DSparkEngine(target, drafter, max_batch_size=4, max_model_len=64, static=True,
