@@ -35,12 +35,14 @@ import cProfile
 import contextlib
 import gzip
 import io
+import itertools
 import json
 import os
 import pstats
 import statistics
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from unittest import mock
 
