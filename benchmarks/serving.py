@@ -100,6 +100,7 @@ from dspark_hf.verify import VerifyResult  # noqa: E402
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 STATIC = ("fixed_1", "fixed_3", "fixed_7", "static_threshold")
+WARM_UP_TOKENS = 8  # new tokens per request of a cell's warm-up run (`--warm-up-tokens`)
 QWEN3_MASK_TOKEN_ID = 151669
 TRACE = RESULTS / "serving_trace_code50m.json"
 # the hardware-aware policy's SPS table is profiled at these sizes (real models)
@@ -292,8 +293,8 @@ def make_engine(target, drafter, concurrency: int, setting: dict, sps_table, **o
 
 
 def warm_up_args(args: argparse.Namespace) -> argparse.Namespace:
-    """A cell's arguments for its warm-up run: `--warm-up-tokens` new tokens per request (default 8)."""
-    return argparse.Namespace(**{**vars(args), "max_new_tokens": getattr(args, "warm_up_tokens", 8)})
+    """A cell's arguments for its warm-up run: `--warm-up-tokens` new tokens per request (default `WARM_UP_TOKENS`)."""
+    return argparse.Namespace(**{**vars(args), "max_new_tokens": getattr(args, "warm_up_tokens", WARM_UP_TOKENS)})
 
 
 def request_lengths(count: int, args) -> list[int]:
@@ -752,7 +753,7 @@ def main() -> None:
                         help="--static: the rows a round may run are the N largest of c, c/2, c/4, ... at concurrency "
                              "c (DSparkEngine's static_graph_batch_sizes; fewer graphs to compile, draining batches "
                              "run more free rows); default 0: every power of two")
-    parser.add_argument("--warm-up-tokens", type=int, default=8,
+    parser.add_argument("--warm-up-tokens", type=int, default=WARM_UP_TOKENS,
                         help="new tokens per request of each cell's warm-up run (the hardware-aware chooser explores "
                              "every width there and lives on into the timed runs; with 8, its first refreshes fall "
                              "into the first timed run)")
