@@ -74,13 +74,13 @@
 set -uo pipefail
 # SERVING_TIMEOUT=S stops the benchmark after S seconds (results are saved after every concurrency); 0: no limit.
 export PYTHONPATH=${DSPARK_SRC:-src}
-if [ ! -d ../shared/fixtures/code-llama-50m ]; then
+if [ -d carry_sched ] && [ ! -d ../shared/fixtures/code-llama-50m ]; then  # (code50m only)
     mkdir -p ../shared/fixtures ../shared/data/humaneval
     cp -r carry_sched/code-llama-50m ../shared/fixtures/ && cp carry_sched/materialize.py ../shared/fixtures/
     xz -d ../shared/fixtures/code-llama-50m/*.xz  # carried compressed (the per-call carry limit is 64 MiB)
     cp carry_sched/HumanEval.jsonl.gz ../shared/data/humaneval/
 fi
-if [ ! -f drafters/code50m-dspark/model.safetensors ]; then  # carried compressed too
+if [ -d carry_sched ] && [ ! -f drafters/code50m-dspark/model.safetensors ]; then  # carried compressed too
     mkdir -p drafters/code50m-dspark && cp carry_sched/code50m-dspark/config.json drafters/code50m-dspark/
     xz -dc carry_sched/code50m-dspark/model.safetensors.xz > drafters/code50m-dspark/model.safetensors
 fi

@@ -105,6 +105,7 @@ QWEN3_MASK_TOKEN_ID = 151669
 TRACE = RESULTS / "serving_trace_code50m.json"
 # the hardware-aware policy's SPS table is profiled at these sizes (real models)
 SPS_PROFILE = dict(batch_tokens=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048), context_length=256, repeats=5)
+SHARED_ENGINE = "drafting"  # --shared-graphs: the engine every drafting policy runs on
 GUARD = SpeculationGuard()  # the hardware-aware engines' guard: one for the whole run, like a long-running server
 
 
@@ -550,6 +551,8 @@ def run_static_cells(target, drafter, prompts, concurrency: int, names: list[str
     """`--static`: one engine per policy, kept for this concurrency; each compiles its graphs (`warm_up`), then a
     warm-up run and `--repeats` timed runs of all policies, stepped in turn (`step_in_turn`: the first engine rotating
     from run to run, then a new order each sweep), or with `--sequential` one after another (in a rotating order).
+    `--shared-graphs`: the drafting policies share the hardware-aware engine (its graphs of every width; fixed γ runs
+    it with the width pinned, `set_policy`), one after another; no speculation keeps its own engine.
     `round_logs`, when given, receives every run's round logs (`compact_round_log`), warm-up run included, by policy.
     `trace`: the speculative engines accept as it says (`StaticTraceReplayer`; random-weight models, timing only)."""
     longest = max(map(len, prompts)) + max(request_lengths(request_count(concurrency, args), args))
@@ -557,57 +560,85 @@ def run_static_cells(target, drafter, prompts, concurrency: int, names: list[str
     # symbolic batch size, which the larger ones reuse), and CUDA graphs are still recorded per prefix
     compile_rounds = dict(mode="reduce-overhead", dynamic=None) if args.dynamic_batch else None
     graph_sizes = {max(1, concurrency >> k) for k in range(args.graph_sizes_per_cell)} or None
+    shared = args.shared_graphs
+    engine_of = {name: SHARED_ENGINE if shared and name != "no_spec" else name for name in names}
     engines, warm_up_seconds, patches = {}, {}, {}
-    for name in names:  # every graph of every policy, before any run
-        fixed = name.startswith("fixed_")
-        engines[name] = DSparkEngine(
-            target, drafter if name != "no_spec" else None, static=True,
-            policy="fixed" if fixed else "none" if name == "no_spec" else "hardware_aware",
-            gamma=int(name.removeprefix("fixed_")) if fixed else None, max_batch_size=concurrency,
+    for key in dict.fromkeys(engine_of.values()):  # every graph of every policy, before any run
+        policy = "hardware_aware" if key == SHARED_ENGINE else key
+        fixed = policy.startswith("fixed_")
+        engines[key] = engine = DSparkEngine(
+            target, drafter if policy != "no_spec" else None, static=True,
+            policy="fixed" if fixed else "none" if policy == "no_spec" else "hardware_aware",
+            gamma=int(policy.removeprefix("fixed_")) if fixed else None, max_batch_size=concurrency,
             max_model_len=longest + 8, static_compile=compile_rounds,
             admission_batch=min(args.admission_batch, concurrency), static_graph_batch_sizes=graph_sizes,
             static_admission_rows=args.admission_rows)
         if args.eager_admission_from is not None:
-            engines[name].runner.eager_admission_from = args.eager_admission_from
-        if trace is not None and name != "no_spec":  # (before the graphs are captured: they read its buffer)
-            patches[name] = StaticTraceReplayer(trace, engines[name], seed=concurrency)
+            engine.runner.eager_admission_from = args.eager_admission_from
+        if trace is not None and policy != "no_spec":  # (before the graphs are captured: they read its buffer)
+            patches[key] = StaticTraceReplayer(trace, engine, seed=concurrency)
+        chooser = engine.runner.chooser
+        widths = {int(name.removeprefix("fixed_")) for name in names if engine_of[name] == key and name != policy}
         started = time.perf_counter()
-        engines[name].warm_up()
-        warm_up_seconds[name] = time.perf_counter() - started
+        engine.warm_up(widths=sorted(widths | set(chooser.widths)) if chooser is not None else None)
+        warm_up_seconds[key] = time.perf_counter() - started
+        print(f"c={concurrency} {key}: warm_up() {warm_up_seconds[key]:.0f} s", flush=True)  # (a cut call's clue)
+    choosers = {key: engine.runner.chooser for key, engine in engines.items()}
+    patches = {name: patches[engine_of[name]] for name in names if engine_of[name] in patches}
+
+    def select(name: str) -> DSparkEngine:
+        """The engine `name` runs on, set to its policy (a shared engine's width pinned, or its chooser back)."""
+        engine = engines[engine_of[name]]
+        if engine_of[name] != name:
+            if name.startswith("fixed_"):
+                engine.runner.set_policy(verify=int(name.removeprefix("fixed_")))
+            else:
+                engine.runner.set_policy(chooser=choosers[engine_of[name]])
+        return engine
+
+    def measured(name: str, engine: DSparkEngine, handles: list, seconds: float, pauses: dict) -> dict:
+        cell = cell_result(engine, handles, seconds, concurrency) | pauses
+        cell["warm_up_seconds"] = warm_up_seconds[engine_of[name]]
+        if engine.runner.chooser is not None:
+            cell["chooser"] = {str(rows): {str(width): times for width, times in widths.items()}
+                               for rows, widths in engine.runner.chooser.summary().items()}
+        return cell
 
     runs: dict[str, list[dict]] = {name: [] for name in names}
     for repeat in range(-1, args.repeats):  # -1: the warm-up run
-        handles = {name: add_requests(engine, prompts, concurrency, warm_up_args(args) if repeat < 0 else args)
-                   for name, engine in engines.items()}
-        for engine in engines.values():
-            engine.round_log.clear()
+        run_args = warm_up_args(args) if repeat < 0 else args
         first = repeat % len(names)  # the policy that goes first rotates from run to run
         order = names[first:] + names[:first]
         origin = time.perf_counter()
-        if args.sequential:
-            seconds, pauses = {}, {}
+        handles, cells, logs = {}, {}, {}
+        if args.sequential or shared:
             for name in order:
-                part_seconds, part_pauses = step_in_turn({name: engines[name]}, patches)
-                seconds |= part_seconds
-                pauses |= part_pauses
+                engine = select(name)
+                handles[name] = add_requests(engine, prompts, concurrency, run_args)
+                engine.round_log.clear()
+                seconds, pauses = step_in_turn({name: engine}, patches)
+                cells[name] = measured(name, engine, handles[name], seconds[name], pauses[name])
+                logs[name] = compact_round_log(engine.round_log, origin)
         else:
+            handles = {name: add_requests(engines[name], prompts, concurrency, run_args) for name in names}
+            for engine in engines.values():
+                engine.round_log.clear()
             seconds, pauses = step_in_turn({name: engines[name] for name in order}, patches, seed=repeat + 1)
+            for name in names:
+                cells[name] = measured(name, engines[name], handles[name], seconds[name], pauses[name])
+                logs[name] = compact_round_log(engines[name].round_log, origin)
         if round_logs is not None:
-            for name, engine in engines.items():
-                round_logs.setdefault(name, []).append(compact_round_log(engine.round_log, origin))
+            for name in names:
+                round_logs.setdefault(name, []).append(logs[name])
         if repeat < 0:
             continue
         tokens = {name: [handle.tokens for handle in handles[name]] for name in names}
-        for name, engine in engines.items():
-            cell = cell_result(engine, handles[name], seconds[name], concurrency) | pauses[name]
-            cell["warm_up_seconds"] = warm_up_seconds[name]
+        for name in names:
             if name != "no_spec" and "no_spec" in tokens and trace is None:  # (bf16: graphs of other shapes may
                 # break argmax ties; replayed acceptance commits the target's tokens for drafts it did not compare)
-                cell["matched_no_spec"] = statistics.fmean(a == b for a, b in zip(tokens[name], tokens["no_spec"]))
-            if engine.runner.chooser is not None:
-                cell["chooser"] = {str(rows): {str(width): times for width, times in widths.items()}
-                                   for rows, widths in engine.runner.chooser.summary().items()}
-            runs[name].append(cell)
+                cells[name]["matched_no_spec"] = statistics.fmean(a == b for a, b in zip(tokens[name],
+                                                                                         tokens["no_spec"]))
+            runs[name].append(cells[name])
     return runs
 
 
@@ -615,8 +646,10 @@ def static_engine_label(args: argparse.Namespace) -> str:
     shapes = "symbolic batch" if args.dynamic_batch else "one compilation per row prefix"
     prefixes = (f"the {args.graph_sizes_per_cell} largest of c, c/2, ... rows" if args.graph_sizes_per_cell
                 else "power-of-two row prefixes")
+    engines = ("the drafting policies on one engine (fixed widths pinned), no speculation on its own"
+               if args.shared_graphs else "one engine per policy")
     return (f"static (DSparkEngine(static=True), inductor, {shapes}, {prefixes}, "
-            f"admission_batch {args.admission_batch}, admission_rows {args.admission_rows})")
+            f"admission_batch {args.admission_batch}, admission_rows {args.admission_rows}, {engines})")
 
 
 # ---------------------------------------------------------------------------------------------------- report
@@ -763,6 +796,10 @@ def main() -> None:
     parser.add_argument("--admission-rows", type=int, default=1,
                         help="--static: DSparkEngine's static_admission_rows (requests joining together run their "
                              "admission chunks as one graph of this many rows; capped at the concurrency)")
+    parser.add_argument("--shared-graphs", action="store_true",
+                        help="--static: the drafting policies run one after another on one engine, the hardware-aware "
+                             "one's (its graphs of every width, fixed widths pinned), instead of one engine each: "
+                             "about a third of the compilations (a Qwen3-4B-shaped engine's took 89-163 s at c = 1)")
     parser.add_argument("--round-logs", help="--static: a .json.gz path for every run's round logs (compact_round_log)")
     parser.add_argument("--out", help="JSON path (default benchmarks/results/serving_h200.json, "
                         "serving_static_h200.json with --static; a temp dir for smoke)")
@@ -805,7 +842,7 @@ def main() -> None:
                           temperature=0.0, ignore_eos=True, threshold=args.threshold, concurrency=args.concurrency,
                           requests_per_slot=args.requests_per_slot, min_requests=args.min_requests,
                           eager_admission_from=args.eager_admission_from, repeats=args.repeats,
-                          protocol="sequential" if args.sequential else "interleaved",
+                          protocol="sequential" if args.sequential or args.shared_graphs else "interleaved",
                           engine=static_engine_label(args) if args.static else "eager",
                           length_spread=args.length_spread,
                           prompts="random ids" if args.model == "smoke" else "HumanEval (code50m tokenizer)",

@@ -95,17 +95,20 @@ def test_interleaved_cells_replay_a_trace_per_engine(models):
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("graph_sizes_per_cell, sequential, admission_rows", [(0, False, 1), (1, True, 2)])
-def test_static_cells_run_every_policy_on_its_own_engine(models, graph_sizes_per_cell, sequential, admission_rows):
+@pytest.mark.parametrize("graph_sizes_per_cell, sequential, admission_rows, shared_graphs",
+                         [(0, False, 1, False), (1, True, 2, False), (0, False, 1, True)])
+def test_static_cells_run_every_policy_on_its_engine(models, graph_sizes_per_cell, sequential, admission_rows,
+                                                     shared_graphs):
     """`--static`: each policy's runs (warm-up first) on its own engine kept for the concurrency, stepped in turn (or
-    one after another); fixed γ verifies γ drafts per round, no speculation none, the hardware-aware chooser any of
-    its widths, and every request gets its length. `--graph-sizes-per-cell 1`: every round runs all the
-    concurrency's rows; `--admission-rows 2`: requests joining together share their admission chunks. The compact
-    round logs hold every run's rounds, warm-up run first."""
+    one after another; with `--shared-graphs` the drafting policies one after another on one engine); fixed γ
+    verifies γ drafts per round, no speculation none, the hardware-aware chooser any of its widths, and every request
+    gets its length. `--graph-sizes-per-cell 1`: every round runs all the concurrency's rows; `--admission-rows 2`:
+    requests joining together share their admission chunks. The compact round logs hold every run's rounds, warm-up
+    run first."""
     target, drafter, prompts = models
     args = argparse.Namespace(**vars(ARGS), repeats=2, dynamic_batch=False, admission_batch=1,  # (CPU: no compile)
                               graph_sizes_per_cell=graph_sizes_per_cell, sequential=sequential,
-                              admission_rows=admission_rows, eager_admission_from=None)
+                              admission_rows=admission_rows, eager_admission_from=None, shared_graphs=shared_graphs)
     names = ["no_spec", "fixed_1", "fixed_3", "fixed_7", "hardware_aware"]
     logs = {}
     runs = serving.run_static_cells(target, drafter, prompts, 2, names, args, logs)
@@ -134,16 +137,20 @@ def test_static_cells_run_every_policy_on_its_own_engine(models, graph_sizes_per
     assert "2" in chooser and all(set(widths) == {"0", "1", "3", "7"} for widths in chooser.values())
     assert set(chooser) == ({"2"} if graph_sizes_per_cell == 1 else {"1", "2"})
     assert all(cell["matched_no_spec"] == 1.0 for name in names[1:] for cell in runs[name])  # float32: lossless
+    warm_up = {name: runs[name][0]["warm_up_seconds"] for name in names}  # (one value per engine)
+    assert (len(set(warm_up.values())) == 2) == shared_graphs and len(set(warm_up.values())) in (2, 5)
 
 
 @torch.inference_mode()
-def test_static_cells_replay_a_trace_on_the_speculative_engines(models):
+@pytest.mark.parametrize("shared_graphs", [False, True])
+def test_static_cells_replay_a_trace_on_the_speculative_engines(models, shared_graphs):
     """`--static` with a trace (the Qwen3-4B shape's random weights): every drafting round of fixed γ accepts the
     trace's count capped at γ, no speculation is untouched, and the hardware-aware chooser learns the replayed
     acceptance (a trace of 7 accepted drafts: all its drafts survive)."""
     target, drafter, prompts = models
     args = argparse.Namespace(**vars(ARGS), repeats=1, dynamic_batch=False, admission_batch=1, graph_sizes_per_cell=1,
-                              sequential=False, admission_rows=1, eager_admission_from=None)
+                              sequential=False, admission_rows=1, eager_admission_from=None,
+                              shared_graphs=shared_graphs)
     names = ["no_spec", "fixed_3", "fixed_7", "hardware_aware"]
     logs = {}
     runs = serving.run_static_cells(target, drafter, prompts, 2, names, args, logs, trace=trace_accepting(7, prompts))
