@@ -67,10 +67,13 @@ class RowStaticLayer(StaticLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        columns = self.cumulative_length[:, None] + torch.arange(key_states.shape[-2], device=self.device)
+        columns = self.cumulative_length[:, None] + torch.arange(key_states.shape[-2], device=self.device)  # [B, T]
+        rows = torch.arange(key_states.shape[0], device=self.device)[:, None]
         self.cumulative_length.add_(key_states.shape[-2])
         for cache, states in ((self.keys, key_states), (self.values, value_states)):
-            cache.scatter_(2, columns[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[-1]), states)
+            # into the [B, C, heads, D] view: inductor writes just these columns (with `scatter_` on [B, heads, C, D]
+            # it copied the whole cache twice per layer and round: 60 % of a Qwen3-4B-shaped round at 256 rows)
+            cache.transpose(1, 2).index_put_((rows, columns), states.transpose(1, 2))
         return self.keys, self.values
 
     def prefix(self, rows: int) -> RowStaticLayer:
@@ -388,8 +391,8 @@ class StaticBatchRounds:
         column = self.column.clone()  # before the round moves it
         features = self._plain_step(choose)
         entry = (column - self.context_column).clamp(max=self.window - 1)  # rows that have stopped may be full
-        self.features.scatter_(1, entry[:, None, None].expand(-1, 1, features.shape[-1]),
-                               features.to(self.features.dtype))
+        rows = torch.arange(entry.shape[0], device=entry.device)
+        self.features.index_put_((rows[:, None], entry[:, None]), features.to(self.features.dtype))  # (RowStaticLayer)
 
     def _flush_context(self) -> None:
         self._write_drafter_context(self.features, self.context_column, self.column)
