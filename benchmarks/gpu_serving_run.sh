@@ -69,8 +69,16 @@
 #     64 (log only: run with OUT=$OUT/a and $OUT/b, the two left more files under $OUT than a call returns; delete the
 #     serving_*h200.* copies below from $OUT when a call runs the script twice). Then, with warm_up() freezing the
 #     collector (library e32937f), c = 256 128 32 (372 s) and 64 16 4 (363 s): serving_static_gc_freeze_h200.*.
-# Next: the Qwen3-4B shape on the static engine needs one call per engine and concurrency (compilation); c = 1, 2, 8
-#     with the collector frozen.
+# Twentieth session: the Qwen3-4B shape with the drafting policies on one engine (library: the --shared-graphs commit):
+#     SERVING_TIMEOUT=578 ... --model qwen3-4b-shape --static --shared-graphs --graph-sizes-per-cell 1
+#     --max-new-tokens 64 --repeats 2 --no-paged --policies no_spec fixed_1 fixed_3 fixed_7 hardware_aware
+#     --requests-per-slot 2 --min-requests 16 --admission-rows 16 --eager-admission-from 100000 --concurrency 64
+#     (345 s), then --requests-per-slot 1 --concurrency 256 (322 s): serving_static_4b_shared_h200.* (both merged; a
+#     first call with --repeats 3 --requests-per-slot 4 --concurrency 64 256 was cut at 565 s with no cell). Then
+#     `python benchmarks/plain_round_tax.py --model qwen3-4b-shape --concurrency 256 --new-tokens 96
+#     --profile-rounds 24` (293 s): plain_round_tax_h200.json (no carry needed for this model).
+# Next: the 4B cells again after the in-place cache write (c = 16, 64, 256, ideally 4 requests per slot); then a
+#     chooser whose plain rounds cost what no speculation's do.
 set -uo pipefail
 # SERVING_TIMEOUT=S stops the benchmark after S seconds (results are saved after every concurrency); 0: no limit.
 export PYTHONPATH=${DSPARK_SRC:-src}

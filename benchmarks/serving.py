@@ -59,14 +59,15 @@ runs, warm-up included (the hardware-aware chooser lives across them). Each engi
 run (`DSparkEngine.warm_up`: every row prefix and width, the flush and the admission chunk) before the warm-up run, so
 that no compilation falls into a timed run; each cell records that time (`warm_up_seconds`). The timed runs are
 interleaved round by round as above (`step_in_turn`; before 2026-12-02 the static cells ran one after another, the
-hardware-aware one always last, with its policies sharing one engine). On the H200 a graph takes 10-20 s to compile
-(a few seconds when inductor's cache holds the same graph from another engine), and concurrency c has log2(c) + 1
-row prefixes: `--graph-sizes-per-cell N` keeps the N largest (c, c/2, ...; `static_graph_batch_sizes`), at the price
-of more free rows in the rounds of a draining batch. Every cell records the garbage collector's pauses within its
-rounds (`gc_ms`, `gc_full`: full collections), since a process that compiled dozens of graphs holds many Python
-objects. (torch.compile's `backend="cudagraphs"`, which would capture the eager kernels and compile faster,
-fails on the H200 with torch 2.11 at the Triton attention kernel's call: `BackendCompilerFailed ... cannot extract
-sympy expressions from {'part_ptr': ...}`; the rounds compile with inductor.)
+hardware-aware one always last, with its policies sharing one engine). On the H200 a graph takes 10-20 s to compile (a
+few seconds when inductor's cache holds the same graph from another engine; 45-60 s for the Qwen3-4B shape, where
+`--shared-graphs` runs the drafting policies one after another on the hardware-aware engine, fixed widths pinned, for a
+third of the compilations), and concurrency c has log2(c) + 1 row prefixes: `--graph-sizes-per-cell N` keeps the N
+largest (c, c/2, ...; `static_graph_batch_sizes`), at the price of more free rows in the rounds of a draining batch.
+Every cell records the garbage collector's pauses within its rounds (`gc_ms`, `gc_full`: full collections), since a
+process that compiled dozens of graphs holds many Python objects. (torch.compile's `backend="cudagraphs"`, which would
+capture the eager kernels and compile faster, fails on the H200 with torch 2.11 at the Triton attention kernel's call:
+`BackendCompilerFailed ... cannot extract sympy expressions from {'part_ptr': ...}`; the rounds compile with inductor.)
 """
 
 from __future__ import annotations
