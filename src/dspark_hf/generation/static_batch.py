@@ -392,7 +392,8 @@ class StaticBatchRounds:
         features = self._plain_step(choose)
         entry = (column - self.context_column).clamp(max=self.window - 1)  # rows that have stopped may be full
         rows = torch.arange(entry.shape[0], device=entry.device)
-        self.features.index_put_((rows[:, None], entry[:, None]), features.to(self.features.dtype))  # (RowStaticLayer)
+        # in place, like RowStaticLayer.update (inductor lowered `scatter_` to a copy of the whole buffer)
+        self.features.index_put_((rows[:, None], entry[:, None]), features.to(self.features.dtype))
 
     def _flush_context(self) -> None:
         self._write_drafter_context(self.features, self.context_column, self.column)
