@@ -67,13 +67,17 @@ class RowStaticLayer(StaticLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        columns = self.cumulative_length[:, None] + torch.arange(key_states.shape[-2], device=self.device)  # [B, T]
-        rows = torch.arange(key_states.shape[0], device=self.device)[:, None]
-        self.cumulative_length.add_(key_states.shape[-2])
+        batch, heads, length = key_states.shape[:3]
+        device = self.device
+        columns = (self.cumulative_length[:, None] + torch.arange(length, device=device))[:, None, :]  # [B, 1, T]
+        index = (torch.arange(batch, device=device)[:, None, None], torch.arange(heads, device=device)[None, :, None],
+                 columns)
+        self.cumulative_length.add_(length)
         for cache, states in ((self.keys, key_states), (self.values, value_states)):
-            # into the [B, C, heads, D] view: inductor writes just these columns (with `scatter_` on [B, heads, C, D]
-            # it copied the whole cache twice per layer and round: 60 % of a Qwen3-4B-shaped round at 256 rows)
-            cache.transpose(1, 2).index_put_((rows, columns), states.transpose(1, 2))
+            # indexing the cache itself, not a view of it: inductor then writes just these columns. With `scatter_`
+            # it copied the whole cache twice per layer and round (60 % of a Qwen3-4B-shaped round at 256 rows on
+            # the H200), and so did torch 2.11 with `index_put_` into the cache's [B, C, heads, D] view.
+            cache.index_put_(index, states)
         return self.keys, self.values
 
     def prefix(self, rows: int) -> RowStaticLayer:
