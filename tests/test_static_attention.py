@@ -62,6 +62,33 @@ def test_same_output_as_sdpa(shape, mask_kind, module_causal, slices, monkeypatc
     assert len(launches) == 1 and (launches[0][1] > 1) == (slices == "several" and shape[4] > 64)
 
 
+@interp
+@pytest.mark.parametrize("mask_kind", ["bool", "additive"])
+def test_tiles_no_query_sees_are_not_read(mask_kind):
+    """Static-cache rows (left padding, then a written prefix, then unwritten columns) hold NaN in every 64-key tile
+    that their mask hides entirely: the kernel does not read those tiles (reading them would spread the NaN into the
+    output), and the output equals SDPA's with those keys zeroed. An additive mask hides with the dtype's lowest value,
+    as `visible_columns` and transformers build it."""
+    batch, heads, kv_heads, queries, keys, head_dim = 3, 8, 4, 4, 272, 32
+    module, query, key, value, _ = attention_case(batch, heads, kv_heads, queries, keys, head_dim, None)
+    pad, end = torch.tensor([70, 0, 130]), torch.tensor([150, 60, 200])  # row b sees pad_b .. end_b + query
+    columns = torch.arange(keys)
+    seen = (columns >= pad[:, None, None]) & (columns <= end[:, None, None] + torch.arange(queries)[:, None])
+    mask = seen[:, None]
+    if mask_kind == "additive":
+        mask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+    tiles = columns // 64
+    key_seen = seen.any(dim=1)  # [B, K]: keys some query of row b sees
+    tile_seen = torch.stack([key_seen[:, tiles == tile].any(dim=1) for tile in range(int(tiles.max()) + 1)], dim=1)
+    hidden = (~tile_seen[:, tiles])[:, None, :, None]  # [B, 1, K, 1]: keys in tiles no query of the row sees
+    assert hidden.sum(dim=2).flatten().tolist() == [64 + 64 + 16, 3 * 64 + 16, 64 + 64 + 16]
+    zeroed = (key.masked_fill(hidden, 0.0), value.masked_fill(hidden, 0.0))
+    poisoned = (key.masked_fill(hidden, float("nan")), value.masked_fill(hidden, float("nan")))
+    ours, _ = static_cache_attention(module, query, *poisoned, mask, scaling=0.3)
+    reference, _ = sdpa_attention_forward(module, query, *zeroed, mask, scaling=0.3)
+    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
+
+
 class _Counting:
     """Stands in for a Triton kernel: records each launch's grid, then launches."""
 

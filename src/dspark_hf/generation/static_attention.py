@@ -7,13 +7,16 @@ programs each walk a head's whole K/V: with 8 K/V heads at batch 1 that is 8 bus
 memory-efficient kernel took about 16 µs per layer for 8 queries at a 4B shape
 (benchmarks/results/static_round_profile_h200.json), some 10 % of a DSpark round. This kernel gives every program
 one K/V head and a slice of the cache, with all the head's query rows (its GQA group × queries) in one tile, and a
-second kernel merges the slices (flash-decoding).
+second kernel merges the slices (flash-decoding). A tile of keys that the mask hides from every query row of the
+program (left padding, columns not written yet, a drafter's longer cache) is not read: with 256 rows of a Qwen3-4B
+shape, attention over every column took a fifth of a round's GPU time (benchmarks/results/plain_round_tax_h200.json).
 
 The semantics are transformers' `sdpa_attention_forward`: the mask is a boolean (True: attend) or an additive float
 mask broadcastable to [B, 1, Q, K]; without one, Q > 1 is causal (SDPA's top-left alignment) unless the module says
-`is_causal = False`. Anything the kernel does not cover (dropout, a sliding window, soft-capping, a head size that is
-not a power of two, more than `MAX_ROWS` query rows per K/V head as in a prefill, no Triton, a CPU tensor outside
-the Triton interpreter) runs SDPA instead.
+`is_causal = False`; an additive mask's lowest finite value (what transformers' masks use) hides a key as -inf
+does, and a query row that sees no key gets zeros. Anything the kernel does not cover (dropout, a sliding window,
+soft-capping, a head size that is not a power of two, more than `MAX_ROWS` query rows per K/V head as in a prefill,
+no Triton, a CPU tensor outside the Triton interpreter) runs SDPA instead.
 """
 
 from __future__ import annotations
@@ -66,12 +69,13 @@ if triton is not None:
     def _attend_slice(
         q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_ptr, stat_ptr,
         sq_b, sq_h, sq_n, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, sm_b, sm_n, sm_l, so_b, so_n, so_h,
-        num_kv_heads, num_queries, kv_length, keys_per_slice, scale,
+        num_kv_heads, num_queries, kv_length, keys_per_slice, scale, masked_at,
         GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
         MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, SLICES: tl.constexpr, IEEE: tl.constexpr,
     ):
         """One (batch row, K/V head, cache slice): all GROUP × num_queries query rows against the slice's keys,
-        online softmax. One slice: the normalised output; several: the slice's (max, sum, accumulator)."""
+        online softmax. One slice: the normalised output; several: the slice's (max, sum, accumulator). An additive
+        mask's values <= `masked_at` hide their key; a tile of keys hidden from every query row is skipped."""
         pid = tl.program_id(0)
         part = tl.program_id(1)
         b, kv_head, rows, row_ok, head, query = _query_rows(pid, num_kv_heads, num_queries, GROUP, ROWS)
@@ -86,35 +90,37 @@ if triton is not None:
         for first in range(start, end, BLOCK):
             keys = first + tl.arange(0, BLOCK)
             key_ok = keys < end
-            k = tl.load(k_ptr + b * sk_b + kv_head * sk_h + keys[:, None] * sk_l + dims[None, :],
-                        mask=key_ok[:, None], other=0.0)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = (s * scale).to(tl.float32)
             ok = row_ok[:, None] & key_ok[None, :]
+            bias = tl.zeros([ROWS, BLOCK], tl.float32)
             if MASK_KIND == 1:
                 keep = tl.load(mask_ptr + b * sm_b + query[:, None] * sm_n + keys[None, :] * sm_l, mask=ok, other=0)
                 ok = ok & (keep != 0)
             if MASK_KIND == 2:
-                s += tl.load(mask_ptr + b * sm_b + query[:, None] * sm_n + keys[None, :] * sm_l, mask=ok,
-                             other=0.0).to(tl.float32)
+                bias = tl.load(mask_ptr + b * sm_b + query[:, None] * sm_n + keys[None, :] * sm_l, mask=ok,
+                               other=0.0).to(tl.float32)
+                ok = ok & (bias > masked_at)
             if CAUSAL:
                 ok = ok & (keys[None, :] <= query[:, None])  # SDPA's is_causal: top-left aligned
-            s = tl.where(ok, s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: exp(-inf) = 0 below
-            p = tl.exp(s - shift[:, None])
-            alpha = tl.exp(m - shift)
-            total = total * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_ptr + b * sv_b + kv_head * sv_h + keys[:, None] * sv_l + dims[None, :],
-                        mask=key_ok[:, None], other=0.0)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
+            if tl.sum(ok.to(tl.int32)) > 0:  # a tile no query row sees (padding, unwritten columns) is not read
+                k = tl.load(k_ptr + b * sk_b + kv_head * sk_h + keys[:, None] * sk_l + dims[None, :],
+                            mask=key_ok[:, None], other=0.0)
+                if IEEE:
+                    s = tl.dot(q, tl.trans(k), input_precision="ieee")
+                else:
+                    s = tl.dot(q, tl.trans(k))
+                s = tl.where(ok, (s * scale).to(tl.float32) + bias, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, axis=1))
+                shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: exp(-inf) = 0 below
+                p = tl.exp(s - shift[:, None])
+                alpha = tl.exp(m - shift)
+                total = total * alpha + tl.sum(p, axis=1)
+                v = tl.load(v_ptr + b * sv_b + kv_head * sv_h + keys[:, None] * sv_l + dims[None, :],
+                            mask=key_ok[:, None], other=0.0)
+                if IEEE:
+                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+                else:
+                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                m = m_new
         if SLICES == 1:
             _store_output(out_ptr, acc, total, b, query, head, row_ok, so_b, so_n, so_h, HEAD_DIM)
         else:
@@ -208,13 +214,15 @@ def split_kv_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         query = query.contiguous()
     if key.stride(-1) != 1 or value.stride(-1) != 1:
         key, value = key.contiguous(), value.contiguous()
-    mask_kind, mask_strides = MASK_NONE, (0, 0, 0)
+    mask_kind, mask_strides, masked_at = MASK_NONE, (0, 0, 0), 0.0
     if mask is None:
         mask = query
     else:
         mask = mask.expand(batch, 1, num_queries, kv_length)
         mask_kind = MASK_BOOL if mask.dtype == torch.bool else MASK_ADDITIVE
         mask_strides = (mask.stride(0), mask.stride(2), mask.stride(3))
+        if mask_kind == MASK_ADDITIVE:  # the lowest finite value masks like -inf (transformers' masks use it)
+            masked_at = torch.finfo(mask.dtype).min
     rows = max(16, triton.next_power_of_2(group * num_queries))
     tiles = triton.cdiv(kv_length, BLOCK_N)
     programs = batch * num_kv_heads
@@ -230,7 +238,7 @@ def split_kv_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         query, key, value, mask, out, parts, stats,
         query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2), *mask_strides, out.stride(0), out.stride(1), out.stride(2),
-        num_kv_heads, num_queries, kv_length, keys_per_slice, scale,
+        num_kv_heads, num_queries, kv_length, keys_per_slice, scale, masked_at,
         GROUP=group, ROWS=rows, HEAD_DIM=head_dim, BLOCK=BLOCK_N, MASK_KIND=mask_kind, CAUSAL=causal,
         SLICES=slices, IEEE=query.dtype == torch.float32,
     )
