@@ -77,8 +77,12 @@
 #     first call with --repeats 3 --requests-per-slot 4 --concurrency 64 256 was cut at 565 s with no cell). Then
 #     `python benchmarks/plain_round_tax.py --model qwen3-4b-shape --concurrency 256 --new-tokens 96
 #     --profile-rounds 24` (293 s): plain_round_tax_h200.json (no carry needed for this model).
-# Next: the 4B cells again after the in-place cache write (c = 16, 64, 256, ideally 4 requests per slot); then a
-#     chooser whose plain rounds cost what no speculation's do.
+# Twenty-first session: plain_round_tax.py again (library 8eea18e: still copying on torch 2.11; now
+#     plain_round_tax_transposed_view_h200.json), then, with the cache indexed in place and the attention skipping
+#     hidden tiles (library f9a1923), the twentieth session's 4B arguments at c = 256 (354 s) and, with
+#     --requests-per-slot 2 and SERVING_TIMEOUT=470, c = 64 (302 s): serving_static_4b_inplace_h200.* (merged).
+# Next: the 4B shape at c = 1-32 and code50m at a few c with this library; plain_round_tax.py for a clean profile;
+#     a chooser whose plain rounds skip the drafter context's upkeep and whose first widths are timed at warm-up.
 set -uo pipefail
 # SERVING_TIMEOUT=S stops the benchmark after S seconds (results are saved after every concurrency); 0: no limit.
 export PYTHONPATH=${DSPARK_SRC:-src}
