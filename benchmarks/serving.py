@@ -566,11 +566,11 @@ def run_static_cells(target, drafter, prompts, concurrency: int, names: list[str
     engines, warm_up_seconds, patches = {}, {}, {}
     for key in dict.fromkeys(engine_of.values()):  # every graph of every policy, before any run
         policy = "hardware_aware" if key == SHARED_ENGINE else key
-        fixed = policy.startswith("fixed_")
+        gamma = fixed_gamma(policy)
         engines[key] = engine = DSparkEngine(
             target, drafter if policy != "no_spec" else None, static=True,
-            policy="fixed" if fixed else "none" if policy == "no_spec" else "hardware_aware",
-            gamma=int(policy.removeprefix("fixed_")) if fixed else None, max_batch_size=concurrency,
+            policy="fixed" if gamma is not None else "none" if policy == "no_spec" else "hardware_aware",
+            gamma=gamma, max_batch_size=concurrency,
             max_model_len=longest + 8, static_compile=compile_rounds,
             admission_batch=min(args.admission_batch, concurrency), static_graph_batch_sizes=graph_sizes,
             static_admission_rows=args.admission_rows)
@@ -579,7 +579,7 @@ def run_static_cells(target, drafter, prompts, concurrency: int, names: list[str
         if trace is not None and policy != "no_spec":  # (before the graphs are captured: they read its buffer)
             patches[key] = StaticTraceReplayer(trace, engine, seed=concurrency)
         chooser = engine.runner.chooser
-        widths = {int(name.removeprefix("fixed_")) for name in names if engine_of[name] == key and name != policy}
+        widths = {fixed_gamma(name) for name in names if engine_of[name] == key and name != policy}  # (pinned)
         started = time.perf_counter()
         engine.warm_up(widths=sorted(widths | set(chooser.widths)) if chooser is not None else None)
         warm_up_seconds[key] = time.perf_counter() - started
@@ -591,8 +591,8 @@ def run_static_cells(target, drafter, prompts, concurrency: int, names: list[str
         """The engine `name` runs on, set to its policy (a shared engine's width pinned, or its chooser back)."""
         engine = engines[engine_of[name]]
         if engine_of[name] != name:
-            if name.startswith("fixed_"):
-                engine.runner.set_policy(verify=int(name.removeprefix("fixed_")))
+            if fixed_gamma(name) is not None:
+                engine.runner.set_policy(verify=fixed_gamma(name))
             else:
                 engine.runner.set_policy(chooser=choosers[engine_of[name]])
         return engine
@@ -641,6 +641,11 @@ def run_static_cells(target, drafter, prompts, concurrency: int, names: list[str
                                                                                          tokens["no_spec"]))
             runs[name].append(cells[name])
     return runs
+
+
+def fixed_gamma(name: str) -> int | None:
+    """γ of a fixed-γ policy's name ("fixed_3": 3); None for any other policy."""
+    return int(name.removeprefix("fixed_")) if name.startswith("fixed_") else None
 
 
 def static_engine_label(args: argparse.Namespace) -> str:
