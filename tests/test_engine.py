@@ -461,15 +461,16 @@ class RecordingWidths(RandomWidths):
 
     def __init__(self, widths, seed: int):
         super().__init__(widths, seed)
-        self.calls = []
+        self.calls, self.captured = [], []
 
     def choose(self, rows: int = 0) -> int:
         width = super().choose(rows)
         self.calls.append(("choose", width, rows))
         return width
 
-    def record(self, width: int, seconds: float, accepted: list[int], rows: int = 0) -> None:
+    def record(self, width: int, seconds: float, accepted: list[int], rows: int = 0, captured: bool = False) -> None:
         self.calls.append(("record", width, rows, list(accepted)))
+        self.captured.append(captured)
 
 
 def test_static_engine_calls_its_chooser_while_the_device_runs_a_round(models):
@@ -503,6 +504,33 @@ def test_static_engine_calls_its_chooser_while_the_device_runs_a_round(models):
         assert planned[0] == "choose" and planned[2] == rows
     assert next(calls) == records[-1] and next(calls, None) is None
     assert fresh == [4, 2, 1]
+
+
+def test_static_engine_tells_its_chooser_which_rounds_replay_graphs_warm_up_ran(models):
+    """`warm_up()` runs each graph twice (compiled: the second call captures it), so the chooser may time those
+    rounds from the first: a greedy round of a warmed width and row prefix, with its flush, is recorded as captured;
+    sampled rounds (not warmed here) and every round of an engine that never warmed up are not."""
+    target, drafter = models
+    captured = {}
+    for warm in (True, False):
+        engine = DSparkEngine(target, drafter, max_batch_size=2, max_model_len=96, static=True,
+                              policy="hardware_aware")
+        widths = (0, drafter.config.num_draft_slots)
+        chooser = engine.runner.chooser = RecordingWidths(widths, seed=4)
+        chooser.plain_share = 0.5  # (plain rounds fill the pending context: flushes)
+        if warm:
+            engine.warm_up(widths, progress=False, freeze_gc=False)
+            assert engine.runner.warmed == {(size, kind, width) for size in (1, 2) for kind, width in
+                                            [("greedy", 0), ("greedy", widths[1]), ("flush", 0)]}
+        engine.add_request([5, 6, 7], max_tokens=40, temperature=0.0, ignore_eos=True)
+        engine.run()
+        greedy = len(chooser.captured)
+        engine.add_request([5, 6, 7], max_tokens=12, temperature=0.8, ignore_eos=True)
+        engine.run()
+        captured[warm] = chooser.captured[:greedy], chooser.captured[greedy:]
+    assert all(captured[True][0]) and len(captured[True][0]) > 5
+    assert not any(captured[True][1]) and captured[True][1]
+    assert not any(captured[False][0] + captured[False][1])
 
 
 @pytest.mark.parametrize("head", [dict(), dict(head_type="rnn"), dict(markov_rank=0, confidence=False)],

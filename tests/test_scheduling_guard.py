@@ -133,9 +133,10 @@ def test_rounds_without_tokens_are_ignored_and_arguments_checked():
 
 
 def drive_widths(chooser: RoundWidthChooser, rounds: int, seconds: dict, hazards: list[float], rows: int = 16,
-                 seed: int = 0, bucket: int = 0) -> list[int]:
+                 seed: int = 0, bucket: int = 0, captured: bool = False) -> list[int]:
     """`rounds` rounds of `bucket` rows: width v takes `seconds[v]` (ten times longer the first two times:
-    compilation), and each of `rows` requests accepts draft j (given drafts < j) with probability `hazards[j - 1]`."""
+    compilation, unless `captured`: every graph captured beforehand), and each of `rows` requests accepts draft j
+    (given drafts < j) with probability `hazards[j - 1]`."""
     rng = random.Random(seed)
     runs, chosen = dict.fromkeys(seconds, 0), []
     for _ in range(rounds):
@@ -147,7 +148,8 @@ def drive_widths(chooser: RoundWidthChooser, rounds: int, seconds: dict, hazards
             while count < width and rng.random() < hazards[count]:
                 count += 1
             accepted.append(count)
-        chooser.record(width, seconds[width] * (10 if runs[width] <= 2 else 1), accepted, bucket)
+        slow = runs[width] <= 2 and not captured
+        chooser.record(width, seconds[width] * (10 if slow else 1), accepted, bucket, captured=captured)
         chosen.append(width)
     return chosen
 
@@ -181,6 +183,15 @@ def test_width_chooser_settles_on_the_fastest_width_and_refreshes_the_others(sec
     assert refreshes[nearest] >= refreshes[farthest]
     expected = {v: (1 + sum(_survival(hazards)[:v])) / seconds[v] for v in seconds}
     assert max(expected, key=expected.get) == best  # the case is what it claims
+
+
+def test_width_chooser_times_captured_rounds_from_the_first():
+    """Rounds that replay graphs captured beforehand (`DSparkEngine.warm_up()`) are timed from the first: each width
+    is explored for `samples` rounds instead of `warmup` + `samples`, and the choice is the same."""
+    seconds = {0: 1.0, 1: 1.3, 3: 1.5, 7: 3.5}
+    chosen = drive_widths(RoundWidthChooser(tuple(seconds)), 400, seconds, [0.8] * 7, captured=True)
+    assert chosen[:12] == [width for width in sorted(seconds) for _ in range(3)]
+    assert chosen[12:].count(3) > 0.9 * len(chosen[12:])
 
 
 def _survival(hazards):

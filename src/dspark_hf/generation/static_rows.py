@@ -105,6 +105,7 @@ class StaticRows:
         self.drafted_last_round = drafter is not None
         self.profiler: RoundProfiler | None = None
         self.guard = None
+        self.warmed: set[tuple[int, str, int]] = set()  # (rows, kind, width) of the graphs `warm_up` ran twice
 
     def set_policy(self, verify: int | None = None, chooser: RoundWidthChooser | None = None) -> None:
         """Each round verifies `verify` drafts of every row (None: all γ), or as many as `chooser` picks. May change
@@ -205,10 +206,11 @@ class StaticRows:
     @torch.no_grad()
     def warm_up(self, widths: Iterable[int] | None = None, sampled: bool = False, progress: bool = False) -> int:
         """Runs, before the first request, every graph that rounds verifying `widths` drafts (default: the policy's)
-        can run: per row prefix, each width's greedy round, with `sampled` its two sampled rounds (with and without
-        top-k / top-p), the flush when plain rounds are among `widths`, and the admission chunk. With `compile`,
-        nothing compiles while requests are served afterwards. The rounds run on free rows, whose results are
-        dropped. Returns the number of graphs run."""
+        can run, twice: per row prefix, each width's greedy round, with `sampled` its two sampled rounds (with and
+        without top-k / top-p), the flush when plain rounds are among `widths`, and the admission chunk. With
+        `compile`, the first call compiles and the second captures the CUDA graph, so that served rounds only replay
+        graphs and the chooser times them from the first (on the H200 a round's first capture took 2-4x its time).
+        The rounds run on free rows, whose results are dropped. Returns the number of graphs run."""
         if self.rows:
             raise RuntimeError("warm_up() runs before the first request.")
         if sampled and self.sampler is None:
@@ -231,18 +233,23 @@ class StaticRows:
                                    disable=not progress) as bar:
             for size, kind, width in graphs:
                 rounds = self.rounds.prefix(size)
-                with self._tap(rounds):
-                    if kind == "greedy":
-                        rounds.greedy_round(width)()
-                    else:
-                        self._sampled_round(rounds, width, filtered=kind == "filtered")
+                for _ in range(2):
+                    with self._tap(rounds):
+                        if kind == "greedy":
+                            rounds.greedy_round(width)()
+                        else:
+                            self._sampled_round(rounds, width, filtered=kind == "filtered")
+                self.warmed.add((size, kind, width))
                 bar.update()
             for size in flushes:
-                with self._tap(self.rounds.prefix(size)):
-                    self.rounds.prefix(size).flush()
+                for _ in range(2):
+                    with self._tap(self.rounds.prefix(size)):
+                        self.rounds.prefix(size).flush()
+                self.warmed.add((size, "flush", 0))
                 bar.update()
             prompt = torch.zeros(1, 1, dtype=torch.long)
-            self.admission.prefill(prompt, torch.ones_like(prompt))  # the admission chunk (its scratch caches only)
+            for _ in range(2):
+                self.admission.prefill(prompt, torch.ones_like(prompt))  # the admission chunk (its scratch caches only)
             bar.update()
         self.pending = [0] * self.batch_size
         return len(graphs) + len(flushes) + 1
@@ -307,15 +314,18 @@ class StaticRows:
             verify = self.chooser.choose(count)  # round of the other number: a refresh due there may be skipped once)
         started = time.perf_counter()
         with self._kernels(), self._part("verify_forward"):  # (the whole round: one graph)
+            kind = "greedy" if not any(self.sampled) else "filtered" if any(self.filtered) else "sampled"
+            captured = (count, kind, verify) in self.warmed
             with self._tap(rounds):
                 fullest = max(self.pending)  # (free rows hold 0)
                 if rounds.must_flush(verify, fullest):
                     rounds.flush()  # the pending context into the drafter cache
                     self.pending = [0] * self.batch_size
-                if any(self.sampled):
-                    self._sampled_round(rounds, verify, filtered=any(self.filtered))
-                else:
+                    captured = captured and (count, "flush", 0) in self.warmed
+                if kind == "greedy":
                     rounds.greedy_round(verify)()
+                else:
+                    self._sampled_round(rounds, verify, filtered=kind == "filtered")
             if self.chooser is not None:  # while the device runs this round: the last round's times and
                 self._record_last_round()  # acceptance, then the next round's width (if it runs as many rows)
                 self._planned = (count, self.chooser.choose(count))
@@ -337,7 +347,7 @@ class StaticRows:
             pending[index] = pending[index] + 1 if verify == 0 else accepted + 1
         self.drafted_last_round = verify > 0
         if self.chooser is not None:  # recorded during the next round (whose width was chosen without it)
-            self._unrecorded = (verify, seconds, accepted_drafts, count)
+            self._unrecorded = (verify, seconds, accepted_drafts, count, captured)
         return committed
 
     def _sampled_round(self, rounds: StaticBatchRounds, verify: int, filtered: bool) -> None:

@@ -20,7 +20,8 @@ value is re-expressed relative to the new choice.
 
 Times are kept per number of rows the rounds run (`rows`: the engine runs the smallest power-of-two prefix of its
 rows that holds every request), acceptance across them. Every width is measured first (`warmup` discarded rounds: a
-compiled round's first calls compile and capture, then `samples`); a number of rows not yet measured at some width
+compiled round's first calls compile and capture, then `samples`; a round whose graph was captured beforehand, e.g.
+by `DSparkEngine.warm_up()`, is timed from the first); a number of rows not yet measured at some width
 borrows that width's cost from the nearest one that is (the larger of two equally near), so that a batch draining to
 fewer rows does not explore again. After that, each other width is run again once its wait has passed since it last
 ran there, so that neither its time nor the acceptance of drafts it would verify goes stale. The wait is
@@ -52,7 +53,8 @@ class RoundWidthChooser:
 
     Args:
         widths: the candidate numbers of verified drafts, e.g. (0, 1, 3, 7).
-        warmup: first rounds of each width not timed (compilation, graph capture).
+        warmup: first rounds of each width not timed (compilation, graph capture), unless `record` is told that the
+            round's graph was captured beforehand.
         samples: timed rounds of each width before the choice is made on the measurements.
         window: relative round times kept per width; their median is used.
         decay: factor on the acceptance counts at every speculative round: 0.99 remembers about the last hundred.
@@ -166,15 +168,16 @@ class RoundWidthChooser:
         bucket.settled_until = min(bucket.rounds + self.decide_every, *due.values())
         return best
 
-    def record(self, width: int, seconds: float, accepted: list[int], rows: int = 0) -> None:
+    def record(self, width: int, seconds: float, accepted: list[int], rows: int = 0, captured: bool = False) -> None:
         """A finished round of `rows` rows that verified `width` drafts: its wall-clock seconds and each running
-        request's accepted drafts."""
+        request's accepted drafts. `captured`: the round replayed a graph captured before (timed even among the
+        first `warmup` rounds)."""
         bucket = self._bucket(rows)
         bucket.last_run[width] = bucket.rounds
         bucket.runs[width] += 1
         if width != bucket.best:
             bucket.settled_until = 0  # (a refresh or a first measurement: decide again next round)
-        if bucket.runs[width] > self.warmup:
+        if captured or bucket.runs[width] > self.warmup:
             bucket.add(width, math.log(seconds))
         if width == 0 or not accepted:
             return
