@@ -81,8 +81,12 @@
 #     plain_round_tax_transposed_view_h200.json), then, with the cache indexed in place and the attention skipping
 #     hidden tiles (library f9a1923), the twentieth session's 4B arguments at c = 256 (354 s) and, with
 #     --requests-per-slot 2 and SERVING_TIMEOUT=470, c = 64 (302 s): serving_static_4b_inplace_h200.* (merged).
-# Next: the 4B shape at c = 1-32 and code50m at a few c with this library; plain_round_tax.py for a clean profile;
-#     a chooser whose plain rounds skip the drafter context's upkeep and whose first widths are timed at warm-up.
+# Twenty-second session: plain_round_tax.py (library c37e3dc, run directly; plain_round_tax_inplace_h200.json, 331 s),
+#     then, with warm_up() capturing every graph (library 0b0769a), the twenty-first session's 4B command at
+#     --requests-per-slot 1 --concurrency 256 (396 s), --requests-per-slot 2 --concurrency 16 (362 s) and
+#     --requests-per-slot 4 --concurrency 4 (427 s), merged into serving_static_4b_warm_capture_h200.*.
+# Next: the 4B shape at c = 1, 2, 8, 32 and 128 and code50m at a few c with this library; the 3.9 ms a plain round
+#     spends outside its kernels at c = 256 (every policy); acceptance replayed per request rather than per run.
 set -uo pipefail
 # SERVING_TIMEOUT=S stops the benchmark after S seconds (results are saved after every concurrency); 0: no limit.
 export PYTHONPATH=${DSPARK_SRC:-src}
