@@ -268,12 +268,17 @@ class TraceReplayer(EnginePatch):
 class StaticTraceReplayer:
     """`TraceReplayer` for the static engine, whose rounds are graphs: entered around each of the engine's rounds,
     it draws one trace entry per row, and a drafting round of width v accepts min(v, its count)
-    (`StaticBatchRounds.replay_acceptance`, set up here, before the engine's first round). Timing only."""
+    (`StaticBatchRounds.replay_acceptance`, set up here, before the engine's first round). Timing only.
+    `restart(seed)` before each run: the k-th round of every run with that seed then draws the same entries, so two
+    policies of the same width accept alike (with one stream, policies sharing an engine drew different ones)."""
 
     def __init__(self, trace: AcceptanceTrace, engine: DSparkEngine, seed: int = 0):
         self.counts = engine.runner.rounds.replay_acceptance()
         self.accepted = trace.accepted.to(self.counts.device)
         self.generator = torch.Generator().manual_seed(seed)
+
+    def restart(self, seed: int) -> None:
+        self.generator.manual_seed(seed)
 
     def __enter__(self):
         index = torch.randint(len(self.accepted), (len(self.counts),), generator=self.generator)
@@ -555,7 +560,8 @@ def run_static_cells(target, drafter, prompts, concurrency: int, names: list[str
     `--shared-graphs`: the drafting policies share the hardware-aware engine (its graphs of every width; fixed γ runs
     it with the width pinned, `set_policy`), one after another; no speculation keeps its own engine.
     `round_logs`, when given, receives every run's round logs (`compact_round_log`), warm-up run included, by policy.
-    `trace`: the speculative engines accept as it says (`StaticTraceReplayer`; random-weight models, timing only)."""
+    `trace`: the speculative engines accept as it says (`StaticTraceReplayer`, restarted with one seed for every
+    policy's run of a repeat: the k-th round of each draws the same entries; random-weight models, timing only)."""
     longest = max(map(len, prompts)) + max(request_lengths(request_count(concurrency, args), args))
     # --dynamic-batch: dynamo's automatic dynamic shapes: a width's first two row prefixes compile (the second with a
     # symbolic batch size, which the larger ones reuse), and CUDA graphs are still recorded per prefix
@@ -612,8 +618,11 @@ def run_static_cells(target, drafter, prompts, concurrency: int, names: list[str
         order = names[first:] + names[:first]
         origin = time.perf_counter()
         handles, cells, logs = {}, {}, {}
+        replay_seed = concurrency * 1000 + repeat + 1  # (the same draws for every policy's run of this repeat)
         if args.sequential or shared:
             for name in order:
+                if name in patches:
+                    patches[name].restart(replay_seed)
                 engine = select(name)
                 handles[name] = add_requests(engine, prompts, concurrency, run_args)
                 engine.round_log.clear()
@@ -622,6 +631,8 @@ def run_static_cells(target, drafter, prompts, concurrency: int, names: list[str
                 logs[name] = compact_round_log(engine.round_log, origin)
         else:
             handles = {name: add_requests(engines[name], prompts, concurrency, run_args) for name in names}
+            for patch in patches.values():
+                patch.restart(replay_seed)
             for engine in engines.values():
                 engine.round_log.clear()
             seconds, pauses = step_in_turn({name: engines[name] for name in order}, patches, seed=repeat + 1)

@@ -165,6 +165,28 @@ def test_static_cells_replay_a_trace_on_the_speculative_engines(models, shared_g
     assert survival == pytest.approx(8.0, abs=0.01)
 
 
+@torch.inference_mode()
+def test_static_cells_replay_the_same_acceptance_to_every_policy_of_a_run(models):
+    """With a trace of 0-3 accepted drafts, fixed γ = 3 and γ = 7 accept alike when both draw the same entries in the
+    same round: their runs are then identical round by round. `--shared-graphs` puts both on one engine and one
+    replayer, which each run restarts with that run's seed (with one stream the second policy drew other entries);
+    the two repeats draw differently from each other."""
+    target, drafter, prompts = models
+    args = argparse.Namespace(**vars(ARGS), repeats=2, dynamic_batch=False, admission_batch=1, graph_sizes_per_cell=1,
+                              sequential=False, admission_rows=1, eager_admission_from=None, shared_graphs=True)
+    torch.manual_seed(0)
+    trace = serving.AcceptanceTrace(torch.randn(64, 7), torch.randint(0, 4, (64,)), prompts)
+    logs = {}
+    serving.run_static_cells(target, drafter, prompts, 2, ["fixed_3", "fixed_7"], args, logs, trace=trace)
+
+    def rounds(log):  # (rows, admitted, accepted) per round
+        return [(entry[1], entry[2], entry[4]) for entry in log]
+
+    for run in (1, 2):
+        assert rounds(logs["fixed_3"][run]) == rounds(logs["fixed_7"][run])
+    assert rounds(logs["fixed_7"][1]) != rounds(logs["fixed_7"][2])
+
+
 def test_engine_host_benchmark_times_stubbed_rounds_that_commit_tokens():
     """benchmarks/engine_host_cpu.py: the stubbed rounds go through the engine's whole host path (every request
     receives tokens) and a time per round comes back."""
