@@ -86,7 +86,8 @@
 #     --requests-per-slot 1 --concurrency 256 (396 s), --requests-per-slot 2 --concurrency 16 (362 s) and
 #     --requests-per-slot 4 --concurrency 4 (427 s), merged into serving_static_4b_warm_capture_h200.*.
 # Next: the 4B shape at c = 1, 2, 8, 32 and 128 and code50m at a few c with this library; the 3.9 ms a plain round
-#     spends outside its kernels at c = 256 (every policy). The static cells' trace replayer now restarts each run
+#     spends outside its kernels at c = 256 (every policy): plain_round_tax.py now splits each profiled round around
+#     its device work (timeline_ms: host before the first kernel, busy, gaps between kernels, after the last). The static cells' trace replayer now restarts each run
 #     with one seed for every policy (same-width runs accept alike); the cells above drew from one running stream.
 set -uo pipefail
 # SERVING_TIMEOUT=S stops the benchmark after S seconds (results are saved after every concurrency); 0: no limit.

@@ -14,9 +14,11 @@ flushes that context into the drafter's cache. Two engines on the same requests,
   its graphs of width 0 and the flush compiled.
 
 Reported per engine: from torch.profiler over `--profile-rounds` rounds of each (CUPTI lists the kernels inside
-CUDA-graph replays), the GPU time per round of the kernels whose total differs most; then, over the requests'
-remaining rounds (all at full load), the median and 90th percentile of the draft + verify time (the round log's
-`step_seconds`; a flush falls into one round in `PENDING_ROUNDS` (γ + 1)).
+CUDA-graph replays), the GPU time per round of the kernels whose total differs most, and where each round's
+wall-clock time goes (`round_timeline`: host time before the device starts, device busy, idle gaps between its
+kernels, time after its last kernel); then, over the requests' remaining rounds (all at full load), the median and
+90th percentile of the draft + verify time (the round log's `step_seconds`; a flush falls into one round in
+`PENDING_ROUNDS` (γ + 1)).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, environment  # noqa: E402
@@ -51,20 +53,55 @@ def build(name: str, target, drafter, concurrency: int, max_model_len: int) -> D
     return engine
 
 
-def kernel_ms(engine: DSparkEngine, rounds: int) -> dict[str, float]:
-    """GPU ms per round of each kernel over `rounds` of `engine`'s rounds (its requests queued and admitted; none on
-    the CPU)."""
+ROUND = "dspark_round"  # the profiler's label of each profiled round (host side)
+
+
+def profile_rounds(engine: DSparkEngine, rounds: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Over `rounds` of `engine`'s rounds (its requests queued and admitted): GPU ms per round of each kernel (none on
+    the CPU), and `round_timeline` of them."""
     device = engine.target.device
     synchronize(device)
     with profile(activities=[ProfilerActivity.CPU, *[ProfilerActivity.CUDA] * (device.type == "cuda")]) as prof:
         for _ in range(rounds):
-            engine.step()
-        synchronize(device)
+            with record_function(ROUND):
+                engine.step()
+                synchronize(device)
     totals: dict[str, float] = defaultdict(float)
+    windows, intervals = [], []
     for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
+        span = (event.time_range.start, event.time_range.end)
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.name != ROUND:
             totals[event.name[:90]] += event.device_time / 1e3 / rounds
-    return dict(totals)
+            intervals.append(span)
+        elif event.name == ROUND:
+            windows.append(span)
+    return dict(totals), round_timeline(windows, intervals)
+
+
+def round_timeline(windows: list[tuple[float, float]], intervals: list[tuple[float, float]]) -> dict[str, float]:
+    """Where rounds' wall-clock time goes, ms (medians over rounds), from the rounds' host `windows` and the device's
+    kernel and copy `intervals` (µs, one clock; each interval belongs to the round it starts in): `before_device`
+    (the round's start to its first device work: host work and launches), `device_busy` (the union of its
+    intervals), `device_gaps` (idle time between its first and last device work), `after_device` (the rest: reading
+    the round back, host bookkeeping). A round without device work counts wholly as `before_device`."""
+    parts: dict[str, list[float]] = {name: [] for name in ("wall", "before_device", "device_busy", "device_gaps",
+                                                              "after_device")}
+    for start, end in sorted(windows):
+        inside = sorted(span for span in intervals if start <= span[0] < end)
+        busy, reach = 0.0, None  # (the union: intervals may overlap)
+        for first, last in inside:
+            if reach is None or first > reach:
+                busy += last - first
+                reach = last
+            elif last > reach:
+                busy += last - reach
+                reach = last
+        device_start = inside[0][0] if inside else end
+        device_end = reach if inside else end
+        for name, value in (("wall", end - start), ("before_device", device_start - start), ("device_busy", busy),
+                            ("device_gaps", device_end - device_start - busy), ("after_device", end - device_end)):
+            parts[name].append(value / 1e3)
+    return {name: statistics.median(values) if values else 0.0 for name, values in parts.items()}
 
 
 def main() -> None:
@@ -87,7 +124,8 @@ def main() -> None:
                                    ignore_eos=True)
         for engine in engines.values():  # admission and the first round
             engine.step()
-        kernels = {name: kernel_ms(engine, args.profile_rounds) for name, engine in engines.items()}
+        profiled = {name: profile_rounds(engine, args.profile_rounds) for name, engine in engines.items()}
+        kernels = {name: kernels for name, (kernels, _) in profiled.items()}
         for engine in engines.values():
             engine.round_log.clear()
         step_in_turn(engines, seed=0)  # the requests' remaining rounds, all at full load (equal lengths), timed
@@ -98,7 +136,7 @@ def main() -> None:
         report["engines"][name] = dict(
             rounds=len(full), step_ms_median=1e3 * statistics.median(e["step_seconds"] for e in full),
             step_ms_p90=1e3 * statistics.quantiles([e["step_seconds"] for e in full], n=10)[-1],
-            kernel_ms_per_round=sum(kernels[name].values()))
+            kernel_ms_per_round=sum(kernels[name].values()), timeline_ms=profiled[name][1])
     names_by_gap = sorted(set(kernels["no_spec"]) | set(kernels["plain_with_context"]),
                           key=lambda k: -abs(kernels["plain_with_context"].get(k, 0) - kernels["no_spec"].get(k, 0)))
     report["kernels_differing_most"] = [

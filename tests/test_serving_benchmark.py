@@ -187,6 +187,26 @@ def test_static_cells_replay_the_same_acceptance_to_every_policy_of_a_run(models
     assert rounds(logs["fixed_7"][1]) != rounds(logs["fixed_7"][2])
 
 
+def test_plain_round_tax_splits_each_round_around_its_device_work(models):
+    """benchmarks/plain_round_tax.py: a round's wall-clock time splits into host time before its first kernel, the
+    union of its (overlapping) kernels, the idle gaps between them and the time after the last; medians over rounds.
+    On the CPU a profiled engine has no device work: all of a round is before it."""
+    import plain_round_tax
+
+    timeline = plain_round_tax.round_timeline([(0, 100)], [(10, 30), (25, 50), (60, 70), (150, 160)])
+    assert timeline == pytest.approx(dict(wall=0.1, before_device=0.01, device_busy=0.05, device_gaps=0.01,
+                                          after_device=0.03))
+    idle = plain_round_tax.round_timeline([(0, 100), (100, 400), (400, 600)], [(110, 120), (420, 440)])
+    assert (idle["wall"], idle["device_busy"], idle["before_device"]) == pytest.approx((0.2, 0.01, 0.02))
+    target, drafter, prompts = models
+    engine = plain_round_tax.build("plain_with_context", target, drafter, 2, 64)
+    for prompt in prompts[:2]:
+        engine.add_request(prompt, max_tokens=8, temperature=0.0, ignore_eos=True)
+    engine.step()
+    kernels, timeline = plain_round_tax.profile_rounds(engine, 3)
+    assert kernels == {} and timeline["wall"] > 0 and timeline["before_device"] == timeline["wall"]
+
+
 def test_engine_host_benchmark_times_stubbed_rounds_that_commit_tokens():
     """benchmarks/engine_host_cpu.py: the stubbed rounds go through the engine's whole host path (every request
     receives tokens) and a time per round comes back."""
