@@ -47,6 +47,7 @@ def main(target_dir: str, drafter_dir: str, out_dir: str) -> None:
     result["head_view"] = isinstance(drafter.lm_head, placement.TargetHeadView)
     result["head_sharded"] = placement.is_distributed(target.lm_head)
     Path(out_dir, f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
+    dist.barrier()  # (neither rank tears gloo down while the other still runs)
     dist.destroy_process_group()
 
 
