@@ -125,7 +125,7 @@ def main() -> None:
         for engine in engines.values():  # admission and the first round
             engine.step()
         profiled = {name: profile_rounds(engine, args.profile_rounds) for name, engine in engines.items()}
-        kernels = {name: kernels for name, (kernels, _) in profiled.items()}
+        kernels = {name: per_kernel for name, (per_kernel, _) in profiled.items()}
         for engine in engines.values():
             engine.round_log.clear()
         step_in_turn(engines, seed=0)  # the requests' remaining rounds, all at full load (equal lengths), timed

@@ -36,6 +36,7 @@ from .static_loop import exponential_noise, fast_kernels, kernel_choice, kernels
 
 
 PENDING_ROUNDS = 4  # the drafter's pending context holds 4 (γ + 1) features: plain rounds flush it 4x less often
+WARM_UP_CALLS = 2  # `warm_up` runs each graph twice: compiled, the first call compiles and the second captures it
 
 
 class StaticRows:
@@ -233,7 +234,7 @@ class StaticRows:
                                    disable=not progress) as bar:
             for size, kind, width in graphs:
                 rounds = self.rounds.prefix(size)
-                for _ in range(2):
+                for _ in range(WARM_UP_CALLS):
                     with self._tap(rounds):
                         if kind == "greedy":
                             rounds.greedy_round(width)()
@@ -242,13 +243,14 @@ class StaticRows:
                 self.warmed.add((size, kind, width))
                 bar.update()
             for size in flushes:
-                for _ in range(2):
-                    with self._tap(self.rounds.prefix(size)):
-                        self.rounds.prefix(size).flush()
+                rounds = self.rounds.prefix(size)
+                for _ in range(WARM_UP_CALLS):
+                    with self._tap(rounds):
+                        rounds.flush()
                 self.warmed.add((size, "flush", 0))
                 bar.update()
             prompt = torch.zeros(1, 1, dtype=torch.long)
-            for _ in range(2):
+            for _ in range(WARM_UP_CALLS):
                 self.admission.prefill(prompt, torch.ones_like(prompt))  # the admission chunk (its scratch caches only)
             bar.update()
         self.pending = [0] * self.batch_size
