@@ -36,6 +36,7 @@ API_MODULES = [
                                                           "dspark_hf.generation.static_profile",
                                                           "dspark_hf.generation.static_attention",
                                                           "dspark_hf.generation.fused_projections",
+                                                          "dspark_hf.generation.compile_regions",
                                                           "dspark_hf.attention_backends"]),
     ("Evaluation", "dspark_hf.evaluation", "evaluation", None),
     ("Calibration", "dspark_hf.calibration", "calibration", None),
