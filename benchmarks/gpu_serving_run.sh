@@ -85,10 +85,12 @@
 #     then, with warm_up() capturing every graph (library 0b0769a), the twenty-first session's 4B command at
 #     --requests-per-slot 1 --concurrency 256 (396 s), --requests-per-slot 2 --concurrency 16 (362 s) and
 #     --requests-per-slot 4 --concurrency 4 (427 s), merged into serving_static_4b_warm_capture_h200.*.
-# Next: the 4B shape at c = 1, 2, 8, 32 and 128 and code50m at a few c with this library; the 3.9 ms a plain round
-#     spends outside its kernels at c = 256 (every policy): plain_round_tax.py now splits each profiled round around
-#     its device work (timeline_ms: host before the first kernel, busy, gaps between kernels, after the last). The static cells' trace replayer now restarts each run
-#     with one seed for every policy (same-width runs accept alike); the cells above drew from one running stream.
+# Twenty-third session (library 98b6537 with compile_layers_once): plain_round_tax.py with its timeline (288 s;
+#     plain_round_tax_timeline_h200.json), then the twenty-second session's 4B command with --compile-layers-once
+#     --requests-per-slot 2 at --concurrency 16 1 8 (576 s; c = 1 cut), 1 (224 s) and 8 (251 s), merged into
+#     serving_static_4b_regions_h200.* (the trace replayer restarted each run).
+# Next: the 4B shape at c = 2, 32 and 128 and code50m at a few c; more repeats per cell where the goal is judged
+#     (consecutive runs of the same graphs varied by 5-10 %).
 set -uo pipefail
 # SERVING_TIMEOUT=S stops the benchmark after S seconds (results are saved after every concurrency); 0: no limit.
 export PYTHONPATH=${DSPARK_SRC:-src}
