@@ -88,7 +88,8 @@
 # Twenty-third session (library 98b6537 with compile_layers_once): plain_round_tax.py with its timeline (288 s;
 #     plain_round_tax_timeline_h200.json), then the twenty-second session's 4B command with --compile-layers-once
 #     --requests-per-slot 2 at --concurrency 16 1 8 (576 s; c = 1 cut), 1 (224 s) and 8 (251 s), merged into
-#     serving_static_4b_regions_h200.* (the trace replayer restarted each run).
+#     serving_static_4b_regions_h200.* (the trace replayer restarted each run); then benchmarks/compile_breakdown.py
+#     with and without --compile-layers-once (its docstring's command; the run without was cut at 130 s).
 # Next: the 4B shape at c = 2, 32 and 128 and code50m at a few c; more repeats per cell where the goal is judged
 #     (consecutive runs of the same graphs varied by 5-10 %).
 set -uo pipefail

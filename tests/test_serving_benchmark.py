@@ -207,6 +207,18 @@ def test_plain_round_tax_splits_each_round_around_its_device_work(models):
     assert kernels == {} and timeline["wall"] > 0 and timeline["before_device"] == timeline["wall"]
 
 
+def test_compile_breakdown_reads_torchs_compile_phases():
+    """benchmarks/compile_breakdown.py: after a compilation, torch's compile-time table as seconds per phase, largest
+    first, with dynamo's outermost phase among them."""
+    import compile_breakdown
+
+    torch._dynamo.reset()
+    torch.compile(lambda x: (x * 2).sin(), backend="aot_eager")(torch.ones(3))
+    phases = compile_breakdown.phase_seconds()
+    assert "_compile.compile_inner" in phases and all(seconds >= 0 for seconds in phases.values())
+    assert list(phases.values()) == sorted(phases.values(), reverse=True)
+
+
 def test_engine_host_benchmark_times_stubbed_rounds_that_commit_tokens():
     """benchmarks/engine_host_cpu.py: the stubbed rounds go through the engine's whole host path (every request
     receives tokens) and a time per round comes back."""
