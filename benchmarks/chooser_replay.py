@@ -4,8 +4,8 @@ width, on the round times the GPU actually gave, drift and stalls included. CPU 
     PYTHONPATH=src python benchmarks/chooser_replay.py benchmarks/results/serving_static_round_logs_h200.json.gz \
         --out benchmarks/results/chooser_replay_h200.json
 
-The input is a `benchmarks/serving.py --static --round-logs` file of runs with the policies no_spec, fixed_3 and
-fixed_7 (fixed_1 too if it ran), stepped in turn. For each concurrency and run (the warm-up run first, untimed as in
+The input is a `benchmarks/serving.py --static --round-logs` file (either model) of runs with the policies no_spec,
+fixed_3 and fixed_7 (fixed_1 too if it ran), stepped in turn. For each concurrency and run (the warm-up run first, untimed as in
 the benchmark; one chooser lives across them), the replayed round i of a run of N rounds happens at the fraction i /
 N of that run; a round verifying v drafts then takes the draft + verify time (`step_ms`) of the fixed-v engine's
 round that ended nearest that moment (width 1 without a fixed_1 run: fixed_3's, whose measured cost it nearly has; a
@@ -132,7 +132,8 @@ def main() -> None:
     args = parser.parse_args()
     logs = json.load(gzip.open(args.round_logs, "rt"))
     results = json.loads((args.results or args.round_logs.with_suffix("")).read_text())
-    cells = {str(cell["concurrency"]): cell for cell in results["models"]["code50m"]["results"]["hardware_aware"]}
+    (model,) = results["models"].values()  # (one model per benchmark file)
+    cells = {str(cell["concurrency"]): cell for cell in model["results"]["hardware_aware"]}
     report = {}
     for concurrency, runs in logs["runs"].items():
         measured = cells[concurrency]["chooser"][concurrency]
