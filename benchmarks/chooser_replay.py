@@ -5,16 +5,15 @@ width, on the round times the GPU actually gave, drift and stalls included. CPU 
         --out benchmarks/results/chooser_replay_h200.json
 
 The input is a `benchmarks/serving.py --static --round-logs` file (either model) of runs with the policies no_spec,
-fixed_3 and fixed_7 (fixed_1 too if it ran), stepped in turn. For each concurrency and run (the warm-up run first, untimed as in
-the benchmark; one chooser lives across them), the replayed round i of a run of N rounds happens at the fraction i /
-N of that run; a round verifying v drafts then takes the draft + verify time (`step_ms`) of the fixed-v engine's
-round that ended nearest that moment (width 1 without a fixed_1 run: fixed_3's, whose measured cost it nearly has; a
-stall, a round over 5 times its engine's median, counts as the median). Each row's accepted drafts are drawn from
-hazards fitted to the hardware-aware engine's measured acceptance (its tokens per row at widths 1, 3 and 7), with
-one seed shared by every policy. Reported per concurrency: replayed tokens per second of draft + verify time in the
-timed runs for the chooser and each fixed width, and the chooser's rounds per width. Admission and the rest of a
-round are left out: they do not depend on the width chosen.
-"""
+fixed_3 and fixed_7 (fixed_1 too if it ran), stepped in turn. For each concurrency and run (the warm-up run first,
+untimed as in the benchmark; one chooser lives across them), the replayed round i of a run of N rounds happens at
+the fraction i / N of that run; a round verifying v drafts then takes the draft + verify time (`step_ms`) of the
+fixed-v engine's round that ended nearest that moment (width 1 without a fixed_1 run: fixed_3's, whose measured cost
+it nearly has; a stall, a round over 5 times its engine's median, counts as the median). Each row's accepted drafts
+are drawn from hazards fitted to the hardware-aware engine's measured acceptance (its tokens per row at widths 1, 3
+and 7), with one seed shared by every policy. Reported per concurrency: replayed tokens per second of draft + verify
+time in the timed runs for the chooser and each fixed width, and the chooser's rounds per width. Admission and the
+rest of a round are left out: they do not depend on the width chosen. """
 
 from __future__ import annotations
 
