@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import functools
 import gzip
 import json
 import random
@@ -104,16 +105,19 @@ def replay(machines: list[MeasuredMachine], rounds: list[int], rows: int, hazard
 
 
 def replay_concurrency(runs: dict[str, list[list[list]]], tokens_per_row: dict[int, float], rows: int,
-                       seed: int = 0) -> dict:
-    """Every policy replayed on the runs of one concurrency (`runs`: policy -> list of runs)."""
+                       seed: int = 0, captured: bool = False, **chooser_options) -> dict:
+    """Every policy replayed on the runs of one concurrency (`runs`: policy -> list of runs). `captured`: the
+    engine captured every graph at warm-up (library 0b0769a on), so the chooser times each width's first rounds;
+    `chooser_options` go to `RoundWidthChooser` (its draws seeded with `seed`)."""
     count = len(runs["fixed_7"])
     machines = [MeasuredMachine({name: log[index] for name, log in runs.items()}) for index in range(count)]
     rounds = [len(run) for run in runs["hardware_aware"]]
     hazards = fitted_hazards(tokens_per_row)
     fixed = {width: replay(machines, rounds, rows, hazards, lambda _, width=width: width, seed)[0]
              for width in WIDTHS}
-    chooser = RoundWidthChooser(WIDTHS)
-    rate, used = replay(machines, rounds, rows, hazards, chooser.choose, seed, chooser.record)
+    chooser = RoundWidthChooser(WIDTHS, seed=seed, **chooser_options)
+    record = functools.partial(chooser.record, captured=captured)
+    rate, used = replay(machines, rounds, rows, hazards, chooser.choose, seed, record)
     best = max(fixed, key=fixed.get)
     return dict(rows=rows, runs=count, hazards=[round(h, 4) for h in hazards],
                 tokens_per_second={"hardware_aware": rate} | {f"fixed_{width}": fixed[width] for width in WIDTHS},
@@ -127,6 +131,9 @@ def main() -> None:
     parser.add_argument("--results", type=Path, help="the benchmark's JSON of the same call: the hardware-aware "
                         "engine's measured tokens per row (default: the round logs' path without .gz)")
     parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--captured", action="store_true", help="the engine captured every graph at warm-up")
+    parser.add_argument("--mean-acceptance", action="store_true",
+                        help="the chooser compares the hazards' means (sample_acceptance=False; before 2026-12-04)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     logs = json.load(gzip.open(args.round_logs, "rt"))
@@ -137,14 +144,17 @@ def main() -> None:
     for concurrency, runs in logs["runs"].items():
         measured = cells[concurrency]["chooser"][concurrency]
         tokens_per_row = {int(width): entry["tokens_per_row"] for width, entry in measured.items()}
-        seeds = [replay_concurrency(runs, tokens_per_row, int(concurrency), seed) for seed in range(args.seeds)]
+        seeds = [replay_concurrency(runs, tokens_per_row, int(concurrency), seed, args.captured,
+                                    sample_acceptance=not args.mean_acceptance) for seed in range(args.seeds)]
         ratios = [entry["chooser_over_best_fixed"] for entry in seeds]
         report[concurrency] = dict(seeds[0], chooser_over_best_fixed_by_seed=ratios,
                                    chooser_over_best_fixed_median=statistics.median(ratios))
         print(f"c={concurrency:>4}: chooser / best fixed (fixed_{seeds[0]['best_fixed']}) "
               f"{' '.join(f'{r:.3f}' for r in ratios)}; rounds by width {seeds[0]['chooser_rounds']}")
     if args.out:
-        args.out.write_text(json.dumps(dict(source=str(args.round_logs), concurrency=report), indent=2) + "\n")
+        args.out.write_text(json.dumps(dict(source=str(args.round_logs), captured=args.captured,
+                                            mean_acceptance=args.mean_acceptance, concurrency=report), indent=2)
+                            + "\n")
 
 
 if __name__ == "__main__":
