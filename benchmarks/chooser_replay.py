@@ -13,7 +13,8 @@ it nearly has; a stall, a round over 5 times its engine's median, counts as the 
 are drawn from hazards fitted to the hardware-aware engine's measured acceptance (its tokens per row at widths 1, 3
 and 7), with one seed shared by every policy. Reported per concurrency: replayed tokens per second of draft + verify
 time in the timed runs for the chooser and each fixed width, and the chooser's rounds per width. Admission and the
-rest of a round are left out: they do not depend on the width chosen. """
+rest of a round are left out: they do not depend on the width chosen.
+"""
 
 from __future__ import annotations
 

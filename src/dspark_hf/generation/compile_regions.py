@@ -5,7 +5,7 @@ Inductor compiles a function's whole graph: a round of a 36-layer target inlines
 input metadata (hierarchical compilation); outside torch.compile it does nothing. Here every layer of each stack of
 like layers (an `nn.ModuleList` of modules of one class) gets a subclass whose `forward` is that class's forward so
 marked, one subclass per class, so that all of them call one region. On the H200 with torch 2.11 a static engine's
-warm-up for a Qwen3-4B-shaped target took 20-30 % less time, its rounds as fast as before (docs/serving.md).
+warm-up for a Qwen3-4B-shaped target took 11-22 % less time, its rounds as fast as before (docs/serving.md).
 """
 
 from __future__ import annotations
