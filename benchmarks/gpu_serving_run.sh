@@ -90,8 +90,9 @@
 #     --requests-per-slot 2 at --concurrency 16 1 8 (576 s; c = 1 cut), 1 (224 s) and 8 (251 s), merged into
 #     serving_static_4b_regions_h200.* (the trace replayer restarted each run); then benchmarks/compile_breakdown.py
 #     with and without --compile-layers-once (its docstring's command; the run without was cut at 130 s).
-# Next: the 4B shape at c = 2, 32 and 128 and code50m at a few c; more repeats per cell where the goal is judged
-#     (consecutive runs of the same graphs varied by 5-10 %).
+# Next: the chooser with drawn acceptance (c7dfc4e, replayed only) on the GPU, c = 1, 2, 4 first; the 4B shape at
+#     c = 2, 32 and 128 and code50m at a few c; more repeats per cell where the goal is judged (consecutive runs of the
+#     same graphs varied by 5-10 %; a run costs seconds, a cell's compilation minutes).
 set -uo pipefail
 # SERVING_TIMEOUT=S stops the benchmark after S seconds (results are saved after every concurrency); 0: no limit.
 export PYTHONPATH=${DSPARK_SRC:-src}
