@@ -36,8 +36,10 @@ wait is stretched by 1 + gap / `refresh_gap` for a width whose expected rate is 
 a refresh costs about gap of a round, so each width's refreshes cost at most about refresh_gap / wait of the rounds,
 however far behind it is (the first refresh comes unstretched, since the width's times may be stale). A refresh
 faster than every time kept for its width means those times are stale (e.g. measured while the machine was still
-warming up): they are dropped and the width is timed again (`samples` rounds in a row) before the next choice that
-reads it. A width that looks better than the current choice is first timed afresh (its kept times dropped, `samples`
+warming up): if at the refresh's time the width would reach the choice's expected rate, they are dropped and the
+width is timed again (`samples` rounds in a row) before the next choice that reads it; otherwise the refresh is
+kept as one more time (retiming a width that would still trail cost the Qwen3-4B shape 6 rounds of γ = 1 at
+c = 16). A width that looks better than the current choice is first timed afresh (its kept times dropped, `samples`
 rounds in a row), and replaces the choice only if its expected rate is then still `switch_margin` higher: a change
 of choice on noise or on old times alone would restart the refreshes of every width. Once a choice is made it stands
 for `decide_every` rounds (or until a refresh is due) without recomputing the rates: the engine asks every round,
@@ -199,7 +201,7 @@ class RoundWidthChooser:
         if width != bucket.best:
             bucket.settled_until = 0  # (a refresh or a first measurement: decide again next round)
         if captured or bucket.runs[width] > self.warmup:
-            bucket.add(width, math.log(seconds))
+            bucket.add(width, math.log(seconds), may_retime=self._could_lead(width, seconds, rows))
         if width == 0 or not accepted:
             return
         # (the engine calls this every round: one pass over the rows, then the decay and the counts in one pass over
@@ -215,6 +217,15 @@ class RoundWidthChooser:
                 reached[slot] *= decay
                 accepted_counts[slot] *= decay
         self._expected = None
+
+    def _could_lead(self, width: int, seconds: float, rows: int) -> bool:
+        """Whether `width`, if its rounds took `seconds`, would reach the chosen width's expected rate at `rows` rows
+        (a faster refresh of a width that would still trail is kept as one more time, not a reason to retime it)."""
+        best = self._buckets[rows].best
+        if best is None or width == best:
+            return True
+        chosen = self._seconds(best, rows)
+        return chosen is None or self.expected_tokens(width) / seconds >= self.expected_tokens(best) / chosen
 
     def summary(self) -> dict[int, dict[int, dict[str, float | None]]]:
         """Per number of rows, per width: current round milliseconds, expected tokens per row, and tokens per second
@@ -247,16 +258,17 @@ class _WidthTimes:
         self.confirming: int | None = None  # a width about to replace the choice, being timed afresh first
         self.settled_until = 0  # the round before which `best` stands without a new comparison
 
-    def add(self, width: int, log_seconds: float) -> None:
+    def add(self, width: int, log_seconds: float, may_retime: bool = True) -> None:
         """A timed round of `width`. A refresh faster than every kept time of its width means they are stale (e.g.
-        measured while the machine was still warming up): they are dropped and the width is timed again."""
+        measured while the machine was still warming up): with `may_retime` they are dropped and the width is timed
+        again."""
         if width == self.best:
             self.reference.append(log_seconds)
             self._level = None  # (taken when read: most rounds read none)
             return
         kept = self.relative[width]
         value = log_seconds - self.level()
-        if self.best is not None and len(kept) >= self.samples and value < min(kept):
+        if may_retime and self.best is not None and len(kept) >= self.samples and value < min(kept):
             kept.clear()
             self.retiming.add(width)
         kept.append(value)
