@@ -210,20 +210,28 @@ def test_width_chooser_follows_a_change_of_acceptance():
     assert hard[-50:].count(0) >= 45  # (the change of choice restarted the others' refreshes at 20 rounds)
 
 
+def drive_with_a_slow_start(chooser: RoundWidthChooser, rounds: int, seconds: dict, slow: float,
+                            hazard: float) -> list[int]:
+    """`rounds` rounds of 16 rows, each draft accepted with probability `hazard`: width v takes `seconds[v]`, but the
+    widest width's first 5 rounds (2 warm-up rounds and the 3 timed ones) take `slow`."""
+    rng, runs, chosen, widest = random.Random(0), dict.fromkeys(seconds, 0), [], max(seconds)
+    for _ in range(rounds):
+        width = chooser.choose()
+        runs[width] += 1
+        accepted = [sum(1 for _ in itertools.takewhile(lambda _: rng.random() < hazard, range(width)))
+                    for _ in range(16)]
+        chooser.record(width, slow if width == widest and runs[width] <= 5 else seconds[width], accepted)
+        chosen.append(width)
+    return chosen
+
+
 def test_width_chooser_times_a_width_again_when_a_refresh_shows_its_times_are_stale():
     """Width 7's first timed rounds are slow (the machine was still warming up), then it costs what width 3 does and,
     verifying more drafts, wins. Its first refresh is faster than every kept time: they are dropped and it is timed
     again at once, instead of one sample per doubling interval (5 refreshes, ~1000 rounds, to move a median of 9)."""
     seconds = {0: 1.0, 3: 1.4, 7: 1.4}
     chooser = RoundWidthChooser(tuple(seconds), refresh_every=32)
-    rng, runs, chosen = random.Random(0), dict.fromkeys(seconds, 0), []
-    for _ in range(300):
-        width = chooser.choose()
-        runs[width] += 1
-        stale = width == 7 and runs[width] <= 5  # (2 warm-up rounds and the 3 timed ones)
-        accepted = [sum(1 for _ in itertools.takewhile(lambda _: rng.random() < 0.8, range(width))) for _ in range(16)]
-        chooser.record(width, 2.4 if stale else seconds[width], accepted)
-        chosen.append(width)
+    chosen = drive_with_a_slow_start(chooser, 300, seconds, slow=2.4, hazard=0.8)
     assert chosen[15:30].count(3) >= 14  # settled on 3 from 7's stale times
     assert chosen[-100:].count(7) >= 95  # ... and moved to 7 after its first refresh (7 is 18 % behind on its
     # stale times: its first refresh waits 32 x (1 + 0.18 / 0.05) rounds)
@@ -237,14 +245,7 @@ def test_width_chooser_keeps_a_faster_refresh_of_a_trailing_width_as_one_more_ti
     cannot lead (as γ = 1 did at c = 16 for the Qwen3-4B shape on the H200)."""
     seconds = {0: 1.2, 3: 1.4, 7: 1.6}
     chooser = RoundWidthChooser(tuple(seconds), refresh_every=32)
-    rng, runs, chosen = random.Random(0), dict.fromkeys(seconds, 0), []
-    for _ in range(400):
-        width = chooser.choose()
-        runs[width] += 1
-        slow = width == 7 and runs[width] <= 5  # (2 warm-up rounds and the 3 timed ones)
-        accepted = [sum(1 for _ in itertools.takewhile(lambda _: rng.random() < 0.5, range(width))) for _ in range(16)]
-        chooser.record(width, 2.0 if slow else seconds[width], accepted)
-        chosen.append(width)
+    chosen = drive_with_a_slow_start(chooser, 400, seconds, slow=2.0, hazard=0.5)
     later = [index for index, width in enumerate(chosen) if width == 7 and index > 30]
     assert chosen[15:].count(3) > 0.95 * len(chosen[15:])
     assert later and all(width != 7 for index in later for width in chosen[index + 1:index + 3])  # refreshes alone
