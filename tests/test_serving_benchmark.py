@@ -207,6 +207,26 @@ def test_plain_round_tax_splits_each_round_around_its_device_work(models):
     assert kernels == {} and timeline["wall"] > 0 and timeline["before_device"] == timeline["wall"]
 
 
+def test_serving_main_marks_the_target_layers_and_writes_where_it_is_told(tmp_path, monkeypatch):
+    """`serving.py --compile-layers-once` (smoke models, no --out): the target's layers become one compile region and
+    the JSON goes to the smoke run's temporary directory with the setting recorded; nothing goes to the results
+    directory (the flag once sat where it swallowed the real models' output path and trace)."""
+    models = serving.tiny_models()
+    monkeypatch.setattr(serving, "tiny_models", lambda: models)
+    (smoke := tmp_path / "smoke").mkdir()
+    (results := tmp_path / "results").mkdir()
+    monkeypatch.setattr(serving.tempfile, "mkdtemp", lambda prefix: str(smoke))
+    monkeypatch.setattr(serving, "RESULTS", results)
+    monkeypatch.setattr(sys, "argv", ["serving.py", "--model", "smoke", "--static", "--compile-layers-once",
+                                      "--concurrency", "2", "--repeats", "1", "--min-requests", "0", "--no-paged",
+                                      "--policies", "no_spec", "fixed_3"])
+    serving.main()
+    assert getattr(type(models[0].model.layers[0]), "_compiled_once", False)
+    settings = json.loads((smoke / "serving_smoke.json").read_text())["models"]["smoke"]["settings"]
+    assert settings["compile_layers_once"] is True and settings["concurrency"] == [2]
+    assert list(results.iterdir()) == []
+
+
 def test_compile_breakdown_reads_torchs_compile_phases():
     """benchmarks/compile_breakdown.py: after a compilation, torch's compile-time table as seconds per phase, largest
     first, with dynamo's outermost phase among them."""
