@@ -201,7 +201,8 @@ class RoundWidthChooser:
         if width != bucket.best:
             bucket.settled_until = 0  # (a refresh or a first measurement: decide again next round)
         if captured or bucket.runs[width] > self.warmup:
-            bucket.add(width, math.log(seconds), may_retime=self._could_lead(width, seconds, rows))
+            bucket.add(width, math.log(seconds),
+                       may_retime=width == bucket.best or self._could_lead(width, seconds, rows))
         if width == 0 or not accepted:
             return
         # (the engine calls this every round: one pass over the rows, then the decay and the counts in one pass over
@@ -222,7 +223,7 @@ class RoundWidthChooser:
         """Whether `width`, if its rounds took `seconds`, would reach the chosen width's expected rate at `rows` rows
         (a faster refresh of a width that would still trail is kept as one more time, not a reason to retime it)."""
         best = self._buckets[rows].best
-        if best is None or width == best:
+        if best is None:
             return True
         chosen = self._seconds(best, rows)
         return chosen is None or self.expected_tokens(width) / seconds >= self.expected_tokens(best) / chosen
