@@ -13,7 +13,9 @@ it nearly has; a stall, a round over 5 times its engine's median, counts as the 
 are drawn from hazards fitted to the hardware-aware engine's measured acceptance (its tokens per row at widths 1, 3
 and 7), with one seed shared by every policy. Reported per concurrency: replayed tokens per second of draft + verify
 time in the timed runs for the chooser and each fixed width, and the chooser's rounds per width. Admission and the
-rest of a round are left out: they do not depend on the width chosen.
+rest of a round are left out, though with admission_batch 1 the number of joins does depend on the widths: rounds
+that commit more tokens finish more requests each, so fewer joins carry more rows (the 4B shape at c = 128, 2026-12-04:
+fixed γ = 3 ahead of plain rounds by 5 % through admission alone; docs/serving_measurements.md).
 """
 
 from __future__ import annotations

@@ -90,9 +90,14 @@
 #     --requests-per-slot 2 at --concurrency 16 1 8 (576 s; c = 1 cut), 1 (224 s) and 8 (251 s), merged into
 #     serving_static_4b_regions_h200.* (the trace replayer restarted each run); then benchmarks/compile_breakdown.py
 #     with and without --compile-layers-once (its docstring's command; the run without was cut at 130 s).
-# Next: the chooser with drawn acceptance (c7dfc4e, replayed only) on the GPU, c = 1, 2, 4 first; the 4B shape at
-#     c = 2, 32 and 128 and code50m at a few c; more repeats per cell where the goal is judged (consecutive runs of the
-#     same graphs varied by 5-10 %; a run costs seconds, a cell's compilation minutes).
+# Twenty-fourth session (library 9ef1074, the chooser with drawn acceptance): the twenty-third session's 4B command
+#     with --repeats 6 --requests-per-slot 8 --concurrency 2 (359 s), --repeats 4 --requests-per-slot 4 --concurrency
+#     32 (369 s) and --repeats 3 --requests-per-slot 2 --concurrency 128 (390 s), merged into
+#     serving_static_4b_longer_runs_h200.*; then the c = 128 call with --admission-batch 16 (288 s):
+#     serving_static_4b_admission_batch16_h200.*.
+# Next: --admission-batch > 1 (and --admission-rows 4 for the 4B shape) at every concurrency, both models; at c = 128
+#     joins held for 16 free rows doubled no speculation's tokens/s on the 4B shape. Then the drafting engine's cost in
+#     plain rounds at high load (hardware-aware 0.939x no speculation there, its choices costing under 1 % in replay).
 set -uo pipefail
 # SERVING_TIMEOUT=S stops the benchmark after S seconds (results are saved after every concurrency); 0: no limit.
 export PYTHONPATH=${DSPARK_SRC:-src}
