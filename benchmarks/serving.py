@@ -581,7 +581,9 @@ def run_static_cells(target, drafter, prompts, concurrency: int, names: list[str
             policy="fixed" if gamma is not None else "none" if policy == "no_spec" else "hardware_aware",
             gamma=gamma, max_batch_size=concurrency,
             max_model_len=longest + 8, static_compile=compile_rounds,
-            admission_batch=min(args.admission_batch, concurrency), static_graph_batch_sizes=graph_sizes,
+            admission_batch=args.admission_batch if args.admission_batch == "auto" else min(args.admission_batch,
+                                                                                           concurrency),
+            static_graph_batch_sizes=graph_sizes,
             static_admission_rows=args.admission_rows)
         if args.eager_admission_from is not None:
             engine.runner.eager_admission_from = args.eager_admission_from
@@ -810,9 +812,10 @@ def main() -> None:
                         help="new tokens per request of each cell's warm-up run (the hardware-aware chooser explores "
                              "every width there and lives on into the timed runs; with 8, its first refreshes fall "
                              "into the first timed run)")
-    parser.add_argument("--admission-batch", type=int, default=1,
+    parser.add_argument("--admission-batch", type=lambda value: value if value == "auto" else int(value), default=1,
                         help="--static: DSparkEngine's admission_batch (waiting requests join once this many rows are "
-                             "free; capped at the concurrency)")
+                             "free; capped at the concurrency), or auto (joins held while they cost more than the idle "
+                             "rows, serving.admission.JoinGate)")
     parser.add_argument("--admission-rows", type=int, default=1,
                         help="--static: DSparkEngine's static_admission_rows (requests joining together run their "
                              "admission chunks as one graph of this many rows; capped at the concurrency)")

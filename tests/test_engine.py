@@ -23,6 +23,7 @@ from dspark_hf.generation.static_batch import StaticBatchRounds
 from dspark_hf.scheduling import RoundWidthChooser, SpeculationGuard, SPSTable
 from dspark_hf.serving import DSparkEngine
 from dspark_hf.serving import engine as engine_module
+from dspark_hf.serving.admission import JoinGate
 
 VOCAB_SIZE = 48
 EOS = 2
@@ -683,6 +684,45 @@ def test_admission_batch_waits_for_enough_free_rows(models, static):
         assert min(3, remaining) <= size <= 4
         remaining -= size
     assert min(sizes[1]) < 3 and len(sizes[1]) > len(sizes[3])
+
+
+class FixedCostGate(JoinGate):
+    """A `JoinGate` whose joins cost `seconds` a set, whatever the engine measures."""
+
+    def __init__(self, rows_per_set: int, seconds: float):
+        super().__init__(rows_per_set)
+        self.seconds = seconds
+
+    def set_seconds(self) -> float:
+        return self.seconds
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+def test_admission_batch_auto_holds_joins_that_cost_more_than_idle_rows(models, static):
+    """admission_batch="auto" (`JoinGate`; one admission set: the static engine's 2 admission rows, the eager engine's
+    whole batch of 4): outputs stay exact. Joins that cost more than any hold could idle wait for a whole set of free
+    rows (or for room for every waiting request); joins that cost nothing go as soon as a row frees, as with
+    admission_batch=1."""
+    target, drafter = models
+    sizes = {}
+    for setting in ("auto", 1e9, 0.0, 1):
+        engine = DSparkEngine(target, drafter, max_batch_size=4, max_model_len=64, static=static, policy="fixed",
+                              admission_batch="auto" if setting != 1 else 1, default_sampling={"temperature": 0},
+                              **(dict(static_admission_rows=2) if static else {}))
+        if setting != 1:
+            assert engine.join_gate.rows_per_set == (2 if static else 4)
+        if isinstance(setting, float):
+            engine.join_gate = FixedCostGate(engine.join_gate.rows_per_set, setting)
+        serve_exactly(engine, target, random.Random(2), 14, 9, (4, 40))
+        sizes[setting] = [entry["admitted"] for entry in engine.round_log if entry["admitted"]]
+        assert sum(sizes[setting]) == 14 and sizes[setting][0] == 4
+    remaining = 10
+    for size in sizes[1e9][1:]:
+        assert size == min(4, remaining) if not static else min(2, remaining) <= size <= 4
+        remaining -= size
+    assert sizes[0.0] == sizes[1] and min(sizes[1]) < 2
+    with pytest.raises(ValueError, match="auto"):
+        DSparkEngine(target, drafter, max_batch_size=4, admission_batch="sometimes")
 
 
 def test_static_engine_refuses_what_it_does_not_do(models):

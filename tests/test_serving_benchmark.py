@@ -208,8 +208,8 @@ def test_plain_round_tax_splits_each_round_around_its_device_work(models):
 
 
 def test_serving_main_marks_the_target_layers_and_writes_where_it_is_told(tmp_path, monkeypatch):
-    """`serving.py --compile-layers-once` (smoke models, no --out): the target's layers become one compile region and
-    the JSON goes to the smoke run's temporary directory with the setting recorded; nothing goes to the results
+    """`serving.py --compile-layers-once --admission-batch auto` (smoke models, no --out): the target's layers become
+    one compile region and the JSON goes to the smoke run's temporary directory with the settings recorded; nothing goes to the results
     directory (the flag once sat where it swallowed the real models' output path and trace)."""
     models = serving.tiny_models()
     monkeypatch.setattr(serving, "tiny_models", lambda: models)
@@ -219,11 +219,12 @@ def test_serving_main_marks_the_target_layers_and_writes_where_it_is_told(tmp_pa
     monkeypatch.setattr(serving, "RESULTS", results)
     monkeypatch.setattr(sys, "argv", ["serving.py", "--model", "smoke", "--static", "--compile-layers-once",
                                       "--concurrency", "2", "--repeats", "1", "--min-requests", "0", "--no-paged",
-                                      "--policies", "no_spec", "fixed_3"])
+                                      "--policies", "no_spec", "fixed_3", "--admission-batch", "auto"])
     serving.main()
     assert getattr(type(models[0].model.layers[0]), "_compiled_once", False)
     settings = json.loads((smoke / "serving_smoke.json").read_text())["models"]["smoke"]["settings"]
     assert settings["compile_layers_once"] is True and settings["concurrency"] == [2]
+    assert "admission_batch auto" in settings["engine"]
     assert list(results.iterdir()) == []
 
 

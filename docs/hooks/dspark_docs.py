@@ -44,7 +44,7 @@ API_MODULES = [
     ("Verification", "dspark_hf.verify", "verify", None),
     ("Training", "dspark_hf.training", "training", None),
     ("Checkpoints", "dspark_hf.checkpoints", "checkpoints", None),
-    ("Serving", "dspark_hf.serving", "serving", None),
+    ("Serving", "dspark_hf.serving", "serving", ["dspark_hf.serving", "dspark_hf.serving.admission"]),
     ("Demo helpers", "dspark_hf.demo", "demo.py", None),
 ]
 

@@ -24,6 +24,7 @@ from collections import deque
 from collections.abc import Iterable
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Literal
 
 import torch
 from transformers import PreTrainedModel
@@ -39,6 +40,7 @@ from ..models import DSparkDraftModel
 from ..scheduling import RoundWidthChooser, SchedulerPolicy, SpeculationGuard, SPSTable, get_policy
 from ..verify import VerifyResult, verify
 from ..verify.reference import processed_scores
+from .admission import JoinGate
 from .requests import Request, RequestOutput, SamplingParams, prompt_token_ids
 
 
@@ -170,6 +172,9 @@ class DSparkEngine:
         max_batch_size: requests decoded at once; the others wait (FIFO) and join between rounds.
         admission_batch: waiting requests join once at least this many rows are free (or as many as are waiting, or
             none is running): fewer, larger admission prefills, for rows left idle a few rounds. Default 1: at once.
+            "auto": `serving.admission.JoinGate` holds a join until the free rows' idle time reaches the stall it
+            would cost the running requests, from measured join and round times (or until a whole admission set,
+            `static_admission_rows` rows, is free).
         max_model_len: context limit (default: the target's `max_position_embeddings`).
         seed: seeds the engine's random generator (draft sampling and verification noise).
         default_sampling: defaults for `add_request`'s sampling arguments (e.g. `{"temperature": 0}`).
@@ -203,7 +208,7 @@ class DSparkEngine:
                  sps_table: SPSTable | str | None = None, max_batch_size: int = 64, max_model_len: int | None = None,
                  seed: int = 0, default_sampling: dict | None = None, compact_threshold: float = 0.5,
                  speculation_guard: bool | SpeculationGuard | None = None, profile_rounds: bool = False,
-                 static: bool = False, static_compile: bool | dict | None = None, admission_batch: int = 1,
+                 static: bool = False, static_compile: bool | dict | None = None, admission_batch: int | Literal["auto"] = 1,
                  static_graph_batch_sizes: Iterable[int] | None = None, static_admission_rows: int = 1):
         check_batchable_target(target)
         if drafter is not None:
@@ -211,9 +216,10 @@ class DSparkEngine:
             drafter.share_target_weights(target)
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}.")
-        if not 1 <= admission_batch <= max_batch_size:
-            raise ValueError(f"admission_batch must be between 1 and max_batch_size ({max_batch_size}), got "
-                             f"{admission_batch}.")
+        if admission_batch != "auto" and not (isinstance(admission_batch, int)
+                                              and 1 <= admission_batch <= max_batch_size):
+            raise ValueError(f"admission_batch must be \"auto\" or between 1 and max_batch_size ({max_batch_size}), "
+                             f"got {admission_batch!r}.")
         if (static_graph_batch_sizes is not None or static_admission_rows != 1) and not static:
             raise ValueError("static_graph_batch_sizes and static_admission_rows apply to DSparkEngine(static=True).")
         self.admission_batch = admission_batch
@@ -227,6 +233,8 @@ class DSparkEngine:
         else:
             self.runner = _speculative_rows(target, drafter, policy, gamma, threshold, sps_table, speculation_guard,
                                             compact_threshold, sampler)
+        self.join_gate = None if admission_batch != "auto" else JoinGate(
+            self.runner.admission.rows if static else max_batch_size)
         text = target.config.get_text_config()
         self.vocab_size = text.vocab_size
         self.max_model_len = max_model_len or getattr(text, "max_position_embeddings", None)
@@ -348,7 +356,11 @@ class DSparkEngine:
                 request._finish("cancelled")
             admitted = []
             free = self.max_batch_size - len(self.runner.rows) + len(cancelled)
-            if free >= min(self.admission_batch, len(self.waiting)) or free == self.max_batch_size:
+            if self.join_gate is not None:
+                join = self.join_gate.should_join(free, len(self.waiting), self.max_batch_size - free)
+            else:
+                join = free >= min(self.admission_batch, len(self.waiting)) or free == self.max_batch_size
+            if join:
                 while self.waiting and len(admitted) < free:
                     admitted.append(self.waiting.popleft())
         for row in cancelled:
@@ -370,7 +382,7 @@ class DSparkEngine:
                                   max_new=request.params.max_tokens, stop_ids=request.stop_ids, tag=request)
                 rows.append(request.row)
             self.runner.remove(self._deliver(rows, self.runner.add(rows)))
-        admitted_at = time.perf_counter()
+        admitted_at = now = time.perf_counter()
         if self.runner.rows:
             rows = list(self.runner.rows)
             committed = self.runner.step()
@@ -384,6 +396,8 @@ class DSparkEngine:
                                        admit_seconds=admitted_at - started, step_seconds=now - admitted_at,
                                        ended=now))
             self.runner.remove(self._deliver(rows, committed))
+        if self.join_gate is not None:
+            self.join_gate.record(len(admitted), admitted_at - started, now - admitted_at)
 
     def round_profile(self) -> dict[str, float]:
         """Milliseconds per round in each part (`generation.profiling.PARTS`) and in all, over the rounds so far.
