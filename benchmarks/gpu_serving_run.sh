@@ -95,10 +95,10 @@
 #     32 (369 s) and --repeats 3 --requests-per-slot 2 --concurrency 128 (390 s), merged into
 #     serving_static_4b_longer_runs_h200.*; then the c = 128 call with --admission-batch 16 (288 s):
 #     serving_static_4b_admission_batch16_h200.*.
-# Next: --admission-batch > 1 (and --admission-rows 4 for the 4B shape) at every concurrency, both models; at c = 128
-#     joins held for 16 free rows doubled no speculation's tokens/s on the 4B shape. Then the drafting engine's cost in
-#     plain rounds at high load (hardware-aware 0.939x no speculation there: refreshes, joins, plain rounds, a few %
-#     each).
+# Next: --admission-batch auto (JoinGate, modelled only: benchmarks/admission_replay.py) and 16 at every concurrency,
+#     both models; at c = 128 joins held for 16 free rows doubled no speculation's tokens/s on the 4B shape. Then the
+#     drafting engine's cost in plain rounds at high load (hardware-aware 0.939x no speculation there: refreshes,
+#     joins, plain rounds, a few % each).
 set -uo pipefail
 # SERVING_TIMEOUT=S stops the benchmark after S seconds (results are saved after every concurrency); 0: no limit.
 export PYTHONPATH=${DSPARK_SRC:-src}

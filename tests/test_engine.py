@@ -701,8 +701,8 @@ class FixedCostGate(JoinGate):
 def test_admission_batch_auto_holds_joins_that_cost_more_than_idle_rows(models, static):
     """admission_batch="auto" (`JoinGate`; one admission set: the static engine's 2 admission rows, the eager engine's
     whole batch of 4): outputs stay exact. Joins that cost more than any hold could idle wait for a whole set of free
-    rows (or for room for every waiting request); joins that cost nothing go as soon as a row frees, as with
-    admission_batch=1."""
+    rows (or for room for every waiting request; rows free often enough here that a hold always may gather more);
+    joins that cost nothing go as soon as a row frees, as with admission_batch=1."""
     target, drafter = models
     sizes = {}
     for setting in ("auto", 1e9, 0.0, 1):

@@ -7,12 +7,21 @@ launch-bound. On the H200 the Qwen3-4B shape at c = 128 paid about 55 ms per 16-
 joining as soon as one row was free (52 joins of 5 rows per run) halved its throughput against joining once 16 rows
 were free (docs/serving_measurements.md).
 
-The gate joins at once when nothing runs, when every waiting request fits, when a whole set of rows is free, or
-before any join into a running batch has been timed. Otherwise it holds the join until the idle cost since the hold
-began reaches the stall the join would cost. The idle cost sums, over the held rounds, the free rows a waiting
-request could have taken times the round's time. The stall is the running rows times the measured time of one set,
-the median of recent joins. This is the ski-rental rule: in this cost model, each join's idle and stall cost at
-most twice the best hold's in hindsight, with no row count to tune.
+Each round the gate decides how many waiting requests join:
+
+- every request that fits, when nothing runs, when every waiting request fits, or before a join into a running batch
+  and a round have been timed;
+- whole sets, when a set's rows or more are free; the rows left over wait for the next set (on the H200, joins of
+  17-19 rows paid for two sets);
+- otherwise none, until the idle cost since the hold began reaches the stall the join would cost; then every request
+  that fits. The idle cost sums, over the held rounds, the free rows times the round's time; the stall is the running
+  rows times one set's measured time (the median of recent joins). This is the ski-rental rule: in this cost model
+  each join's idle and stall cost at most twice the best hold's in hindsight, and with rows freeing steadily it is the
+  economic order quantity (idling and stalling cost the same per round). No row count to tune.
+- A hold is skipped when, at the rate rows freed in recent rounds, no row is likely to free before it would end:
+  it would end with the same free rows (one running request, as at c = 2, mostly).
+
+`benchmarks/admission_replay.py` models a measured cell under each setting.
 """
 
 from __future__ import annotations
@@ -23,8 +32,8 @@ from collections import deque
 
 
 class JoinGate:
-    """Decides each round whether waiting requests join (see the module docstring). Per round, the engine calls
-    `should_join` before the round and `record` after it.
+    """Decides each round how many waiting requests join (see the module docstring). Per round, the engine calls
+    `rows_to_join` before the round and `record` after it.
 
     Args:
         rows_per_set: rows one admission set prefills at about one cost (the static engine's admission rows; the eager
@@ -32,31 +41,43 @@ class JoinGate:
         window: recent joins whose per-set times' median is the join cost.
     """
 
-    def __init__(self, rows_per_set: int, window: int = 9):
-        if rows_per_set < 1 or window < 1:
-            raise ValueError(f"JoinGate needs rows_per_set >= 1 and window >= 1, got {rows_per_set} and {window}.")
+    def __init__(self, rows_per_set: int, window: int = 9, rate_window: int = 16):
+        if rows_per_set < 1 or window < 1 or rate_window < 1:
+            raise ValueError(f"JoinGate needs rows_per_set, window and rate_window >= 1, got {rows_per_set}, {window} "
+                             f"and {rate_window}.")
         self.rows_per_set = rows_per_set
         self._set_seconds: deque[float] = deque(maxlen=window)
+        self._step_seconds: deque[float] = deque(maxlen=window)
+        self._freed: deque[int] = deque(maxlen=rate_window)  # rows freed before each recent round
         self._idle_row_seconds = 0.0  # since the hold began
         self._held_rows = 0  # free rows the coming round leaves idle while requests wait
         self._running = 0  # rows running when the coming round's join was decided
+        self._free = 0  # ... and free then
+        self._free_after: int | None = None  # rows free after the last round's join
 
     def set_seconds(self) -> float | None:
         """The measured time of one admission set (median of recent joins), or None before any."""
         return statistics.median(self._set_seconds) if self._set_seconds else None
 
-    def should_join(self, free: int, waiting: int, running: int) -> bool:
-        """Whether the `waiting` requests join now, with `free` rows free and `running` requests running."""
-        self._running, self._held_rows = running, 0
+    def rows_to_join(self, free: int, waiting: int, running: int) -> int:
+        """How many of the `waiting` requests join now, with `free` rows free and `running` requests running."""
+        if self._free_after is not None:
+            self._freed.append(max(0, free - self._free_after))
+        self._running, self._free, self._held_rows = running, free, 0
+        fits = min(free, waiting)
         if waiting == 0:  # (a later hold starts afresh)
             self._idle_row_seconds = 0.0
         set_seconds = self.set_seconds()
-        if running == 0 or free >= waiting or free >= self.rows_per_set or set_seconds is None:
-            return True
-        if self._idle_row_seconds >= running * set_seconds:
-            return True
+        if running == 0 or free >= waiting or set_seconds is None or not self._step_seconds:
+            return fits
+        if free >= self.rows_per_set:
+            return free // self.rows_per_set * self.rows_per_set
+        stall = running * set_seconds - self._idle_row_seconds  # what the hold may still idle
+        rounds_left = stall / (free * statistics.median(self._step_seconds)) if free else 0.0
+        if stall <= 0 or rounds_left * statistics.fmean(self._freed) < 1:  # (no row likely to free meanwhile)
+            return fits
         self._held_rows = free
-        return False
+        return 0
 
     def record(self, admitted: int, admit_seconds: float, step_seconds: float) -> None:
         """After a round: `admitted` requests joined it, in `admit_seconds`; its draft + verify took `step_seconds`."""
@@ -66,4 +87,6 @@ class JoinGate:
             self._idle_row_seconds = 0.0
         else:
             self._idle_row_seconds += self._held_rows * step_seconds
-        self._held_rows = 0
+        if step_seconds > 0:
+            self._step_seconds.append(step_seconds)
+        self._held_rows, self._free_after = 0, self._free - admitted

@@ -173,8 +173,8 @@ class DSparkEngine:
         admission_batch: waiting requests join once at least this many rows are free (or as many as are waiting, or
             none is running): fewer, larger admission prefills, for rows left idle a few rounds. Default 1: at once.
             "auto": `serving.admission.JoinGate` holds a join until the free rows' idle time reaches the stall it
-            would cost the running requests, from measured join and round times (or until a whole admission set,
-            `static_admission_rows` rows, is free).
+            would cost the running requests, from measured join and round times, or until a whole admission set
+            (`static_admission_rows` rows) is free; then whole sets join.
         max_model_len: context limit (default: the target's `max_position_embeddings`).
         seed: seeds the engine's random generator (draft sampling and verification noise).
         default_sampling: defaults for `add_request`'s sampling arguments (e.g. `{"temperature": 0}`).
@@ -357,12 +357,13 @@ class DSparkEngine:
             admitted = []
             free = self.max_batch_size - len(self.runner.rows) + len(cancelled)
             if self.join_gate is not None:
-                join = self.join_gate.should_join(free, len(self.waiting), self.max_batch_size - free)
+                joining = self.join_gate.rows_to_join(free, len(self.waiting), self.max_batch_size - free)
+            elif free >= min(self.admission_batch, len(self.waiting)) or free == self.max_batch_size:
+                joining = free
             else:
-                join = free >= min(self.admission_batch, len(self.waiting)) or free == self.max_batch_size
-            if join:
-                while self.waiting and len(admitted) < free:
-                    admitted.append(self.waiting.popleft())
+                joining = 0
+            while self.waiting and len(admitted) < joining:
+                admitted.append(self.waiting.popleft())
         for row in cancelled:
             row.tag._finish("cancelled")
         self.runner.remove(cancelled)
