@@ -110,6 +110,9 @@ def main() -> None:
     report = dict(benchmark="admission_replay", command="python " + " ".join(sys.argv), model=model,
                   source=str(args.round_logs), cells={})
     for concurrency, policies in sorted(logs["runs"].items(), key=lambda item: int(item[0])):
+        if not any(row[columns.index("admitted")] for run in policies["no_spec"][1:] for row in run[1:]):
+            print(f"c={int(concurrency):4d}: no join into a running batch to time (every request joined at once)")
+            continue
         settings = entry.get(f"settings_c{concurrency}", entry["settings"])  # (calls merged by concurrency)
         engine = re.search(r"admission_batch (\w+), admission_rows (\d+)", settings["engine"])
         ran = engine.group(1) if engine.group(1) == "auto" else int(engine.group(1))

@@ -43,17 +43,17 @@ def test_lets_in_at_once_when_holding_cannot_pay():
 
 def test_holds_until_the_idle_rows_cost_what_the_join_stalls():
     """Ski rental: 60 rows running, a 1/16 s set, rounds of 1/128 s, one more row free each round. The k-th round's
-    decision sees k free rows and (k - 1) k / 2 row-rounds idled; the join goes once the stall left, 60 / 16 s =
-    480 row-rounds less the idle, is under what the k free rows idle in one round: k (k + 1) / 2 > 480, k = 31."""
-    assert rounds_held(timed_gate(), running=60, freed_per_round=1) == (30, 31)
-    assert rounds_held(timed_gate(set_seconds=1 / 64), running=60, freed_per_round=1) == (15, 16)  # 120: k = 16
+    decision sees k free rows and (k - 1) k / 2 row-rounds idled; the join goes once that reaches the stall,
+    60 / 16 s = 480 row-rounds: k = 32 (496), after 31 rounds held. A stall of 120 row-rounds: k = 16 (120)."""
+    assert rounds_held(timed_gate(), running=60, freed_per_round=1) == (31, 32)
+    assert rounds_held(timed_gate(set_seconds=1 / 64), running=60, freed_per_round=1) == (15, 16)
     assert rounds_held(timed_gate(), running=15, freed_per_round=1) == (15, 16)
 
 
 def test_does_not_hold_when_no_row_is_likely_to_free_meanwhile():
-    """One running request, a set costing 3 rounds, rows freeing about once in 16 rounds: holding would most
-    likely end with the same free row (the Qwen3-4B shape at c = 2), so the row joins at once; with rows freeing
-    every round, it waits."""
+    """One running request, a set costing 3 rounds, rows freeing once in 16 rounds: the best hold (2 x 1/16 x 3
+    rounds' stall < one round) would most likely gather no other row (the Qwen3-4B shape at c = 2), so the row joins
+    at once; with rows freeing every round, it waits."""
     gate = timed_gate(set_seconds=3 * STEP)
     for _ in range(15):  # 15 rounds, nothing frees
         gate.rows_to_join(free=0, waiting=1000, running=2)
@@ -72,9 +72,9 @@ def test_a_join_restarts_the_hold_and_its_cost_is_per_set():
     gate.record(admitted=1, admit_seconds=0.5, step_seconds=STEP)
     assert gate.set_seconds() == 0.5
     gate = timed_gate()
-    assert rounds_held(gate, running=60, freed_per_round=1) == (30, 31)
-    gate.record(admitted=31, admit_seconds=1 / 16, step_seconds=STEP)
-    assert rounds_held(gate, running=60, freed_per_round=1) == (30, 31)  # the idle time starts afresh
+    assert rounds_held(gate, running=60, freed_per_round=1) == (31, 32)
+    gate.record(admitted=32, admit_seconds=1 / 16, step_seconds=STEP)
+    assert rounds_held(gate, running=60, freed_per_round=1) == (31, 32)  # the idle time starts afresh
 
 
 def test_refuses_bad_settings():

@@ -18,8 +18,9 @@ Each round the gate decides how many waiting requests join:
   rows times one set's measured time (the median of recent joins). This is the ski-rental rule: in this cost model
   each join's idle and stall cost at most twice the best hold's in hindsight, and with rows freeing steadily it is the
   economic order quantity (idling and stalling cost the same per round). No row count to tune.
-- A hold is skipped when, at the rate rows freed in recent rounds, no row is likely to free before it would end:
-  it would end with the same free rows (one running request, as at c = 2, mostly).
+- A hold is skipped when it would most likely gather no other row: rows freeing r per round, the best hold lasts
+  k = sqrt(2 × stall / (r × round time)) rounds (idle r k² / 2 row-rounds against the stall), and gathers r k rows;
+  with r k < 1, i.e. 2 r × stall < round time, the free rows join at once (one running request, as at c = 2).
 
 `benchmarks/admission_replay.py` models a measured cell under each setting.
 """
@@ -72,10 +73,10 @@ class JoinGate:
             return fits
         if free >= self.rows_per_set:
             return free // self.rows_per_set * self.rows_per_set
-        stall = running * set_seconds - self._idle_row_seconds  # what the hold may still idle
-        rounds_left = stall / (free * statistics.median(self._step_seconds)) if free else 0.0
-        if stall <= 0 or rounds_left * statistics.fmean(self._freed) < 1:  # (no row likely to free meanwhile)
-            return fits
+        stall = running * set_seconds
+        freed_per_round = statistics.fmean(self._freed) if self._freed else 0.0
+        if self._idle_row_seconds >= stall or 2 * freed_per_round * stall < statistics.median(self._step_seconds):
+            return fits  # the hold has cost the stall, or the best hold would gather no other row
         self._held_rows = free
         return 0
 
