@@ -3,11 +3,11 @@ decoding changes with `DSparkEngine(admission_batch=...)`, from the join and rou
 
     PYTHONPATH=src python benchmarks/admission_replay.py \
         benchmarks/results/serving_static_4b_longer_runs_h200.json.gz \
-        --out benchmarks/results/admission_replay_4b_h200.json
+        --out benchmarks/results/admission_replay_4b_longer_runs_h200.json
 
 The input is a `benchmarks/serving.py --static --round-logs` file (its cells JSON next to it, or `--results`; a
-concurrency merged in from another call reads that call's settings, `settings_c<c>`). Per
-concurrency, from the no-speculation engine's timed runs: one admission set's time (the median over joins into a
+concurrency merged in from another call reads that call's settings, `settings_c<c>`). Per concurrency, from the
+no-speculation engine's timed runs: one admission set's time (the median over joins into a
 running batch of the join's time over its sets of `admission_rows` rows), the first prefill's time and a round's
 time (the median draft + verify, plus the cell's other host time per round). The cell's requests (the benchmark's
 own lengths) then run through a model of the engine: a round commits one token per running request, a join costs
@@ -35,9 +35,8 @@ from dspark_hf.serving.admission import JoinGate
 SETTINGS = (1, 4, 16, "auto")
 
 
-def modelled_cell(lengths: list[int], concurrency: int, rows_per_set: int, set_seconds: float,
-                                first_seconds: float, round_seconds: float, admission_batch: int | str
-                                ) -> tuple[float, list[int]]:
+def modelled_cell(lengths: list[int], concurrency: int, rows_per_set: int, set_seconds: float, first_seconds: float,
+                  round_seconds: float, admission_batch: int | str) -> tuple[float, list[int]]:
     """The modelled cell: seconds from the first join to the last round, and the number of requests in each join."""
     rows_per_set = min(rows_per_set, concurrency)
     gate = JoinGate(rows_per_set) if admission_batch == "auto" else None

@@ -39,7 +39,8 @@ class JoinGate:
     Args:
         rows_per_set: rows one admission set prefills at about one cost (the static engine's admission rows; the eager
             engine's whole batch).
-        window: recent joins whose per-set times' median is the join cost.
+        window: recent joins whose per-set times' median is the join cost (and recent rounds, the round time).
+        rate_window: recent rounds whose mean of rows freed is the freeing rate.
     """
 
     def __init__(self, rows_per_set: int, window: int = 9, rate_window: int = 16):

@@ -208,8 +208,9 @@ class DSparkEngine:
                  sps_table: SPSTable | str | None = None, max_batch_size: int = 64, max_model_len: int | None = None,
                  seed: int = 0, default_sampling: dict | None = None, compact_threshold: float = 0.5,
                  speculation_guard: bool | SpeculationGuard | None = None, profile_rounds: bool = False,
-                 static: bool = False, static_compile: bool | dict | None = None, admission_batch: int | Literal["auto"] = 1,
-                 static_graph_batch_sizes: Iterable[int] | None = None, static_admission_rows: int = 1):
+                 static: bool = False, static_compile: bool | dict | None = None,
+                 admission_batch: int | Literal["auto"] = 1, static_graph_batch_sizes: Iterable[int] | None = None,
+                 static_admission_rows: int = 1):
         check_batchable_target(target)
         if drafter is not None:
             check_drafter_fits_target(drafter.config, target)
