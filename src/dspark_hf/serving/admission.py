@@ -3,8 +3,8 @@
 A join stalls every running request for the joiners' prefill; holding it back leaves free rows idle. The prefill
 costs about the same however many of its rows it fills: the static engine admits in sets of `rows_per_set` rows
 (one chunk graph, `generation.static_admission.ChunkedAdmission`), and an eager prefill of a few prompts is
-launch-bound. On the H200 the Qwen3-4B shape at c = 128 paid about 55 ms per 16-row set against 6 ms per round, and
-joining as soon as one row was free (52 joins of 5 rows per run) halved its throughput against joining once 16 rows
+launch-bound. On the H200 the Qwen3-4B shape at c = 128 paid 40-60 ms per 16-row set against 6 ms per round, and
+joining as soon as one row was free (51 joins of 2.5 rows per run) halved its throughput against joining once 16 rows
 were free (docs/serving_measurements.md).
 
 Each round the gate decides how many waiting requests join:
