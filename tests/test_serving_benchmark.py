@@ -209,8 +209,8 @@ def test_plain_round_tax_splits_each_round_around_its_device_work(models):
 
 def test_serving_main_marks_the_target_layers_and_writes_where_it_is_told(tmp_path, monkeypatch):
     """`serving.py --compile-layers-once --admission-batch auto` (smoke models, no --out): the target's layers become
-    one compile region and the JSON goes to the smoke run's temporary directory with the settings recorded; nothing goes to the results
-    directory (the flag once sat where it swallowed the real models' output path and trace)."""
+    one compile region and the JSON goes to the smoke run's temporary directory with the settings recorded; nothing
+    goes to the results directory (the flag once sat where it swallowed the real models' output path and trace)."""
     models = serving.tiny_models()
     monkeypatch.setattr(serving, "tiny_models", lambda: models)
     (smoke := tmp_path / "smoke").mkdir()

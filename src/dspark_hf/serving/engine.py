@@ -174,7 +174,7 @@ class DSparkEngine:
             none is running): fewer, larger admission prefills, for rows left idle a few rounds. Default 1: at once.
             "auto": `serving.admission.JoinGate` holds a join until the free rows' idle time reaches the stall it
             would cost the running requests, from measured join and round times, or until a whole admission set
-            (`static_admission_rows` rows) is free; then whole sets join.
+            (`static_admission_rows` rows; the eager engine's whole batch) is free; then whole sets join.
         max_model_len: context limit (default: the target's `max_position_embeddings`).
         seed: seeds the engine's random generator (draft sampling and verification noise).
         default_sampling: defaults for `add_request`'s sampling arguments (e.g. `{"temperature": 0}`).
