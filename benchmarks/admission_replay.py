@@ -11,10 +11,10 @@ no-speculation engine's timed runs: one admission set's time (the median over jo
 running batch of the join's time over its sets of `admission_rows` rows), the first prefill's time and a round's
 time (the median draft + verify, plus the cell's other host time per round). The cell's requests (the benchmark's
 own lengths) then run through a model of the engine: a round commits one token per running request, a join costs
-its sets and commits each joiner's first token, and the rows join by the engine's own rule for each
-`admission_batch` (`serving.admission.JoinGate` itself for "auto"). Reported: modelled tokens per second and joins
-per setting, and, for the setting the cell ran, the model's time next to each run's measured admission, draft +
-verify and other host time. Plain decoding only: with drafts, how many requests finish per round depends on acceptance.
+its sets and commits each joiner's first token, and the rows join by the engine's own gate for each
+`admission_batch` (`serving.admission`). Reported: modelled tokens per second and joins per setting, and, for the
+setting the cell ran, the model's time next to each run's measured admission, draft + verify and other host time.
+Plain decoding only: with drafts, how many requests finish per round depends on acceptance.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pathlib import Path
 
 from serving import request_count, request_lengths
 
-from dspark_hf.serving.admission import JoinGate
+from dspark_hf.serving.admission import FreeRowsGate, JoinGate
 
 SETTINGS = (1, 4, 16, "auto")
 
@@ -39,14 +39,11 @@ def modelled_cell(lengths: list[int], concurrency: int, rows_per_set: int, set_s
                   round_seconds: float, admission_batch: int | str) -> tuple[float, list[int]]:
     """The modelled cell: seconds from the first join to the last round, and the number of requests in each join."""
     rows_per_set = min(rows_per_set, concurrency)
-    gate = JoinGate(rows_per_set) if admission_batch == "auto" else None
+    gate = JoinGate(rows_per_set) if admission_batch == "auto" else FreeRowsGate(admission_batch)
     waiting, running, seconds, joins = list(lengths), [], 0.0, []
     while waiting or running:
         free = concurrency - len(running)
-        if gate is not None:
-            joining = gate.rows_to_join(free, len(waiting), len(running))
-        else:
-            joining = free if free >= min(admission_batch, len(waiting)) or free == concurrency else 0
+        joining = gate.rows_to_join(free, len(waiting), len(running))
         admitted, waiting = waiting[:joining], waiting[joining:]
         admit_seconds = 0.0
         if admitted:
@@ -56,8 +53,7 @@ def modelled_cell(lengths: list[int], concurrency: int, rows_per_set: int, set_s
         step_seconds = round_seconds if running else 0.0
         running = [left - 1 for left in running if left > 1]
         seconds += admit_seconds + step_seconds
-        if gate is not None:
-            gate.record(len(admitted), admit_seconds, step_seconds)
+        gate.record(len(admitted), admit_seconds, step_seconds)
     return seconds, joins
 
 

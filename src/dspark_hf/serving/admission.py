@@ -1,4 +1,5 @@
-"""`JoinGate`: when waiting requests join the running batch (`DSparkEngine(admission_batch="auto")`).
+"""When waiting requests join the running batch: `FreeRowsGate` (`DSparkEngine(admission_batch=N)`) and `JoinGate`
+(`admission_batch="auto"`). Per round, the engine asks `rows_to_join` before the round and calls `record` after it.
 
 A join stalls every running request for the joiners' prefill; holding it back leaves free rows idle. The prefill
 costs about the same however many of its rows it fills: the static engine admits in sets of `rows_per_set` rows
@@ -30,6 +31,20 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+
+
+class FreeRowsGate:
+    """`admission_batch=N`: every free row takes a waiting request once N rows are free, or as many as are waiting,
+    or when nothing runs."""
+
+    def __init__(self, admission_batch: int):
+        self.admission_batch = admission_batch
+
+    def rows_to_join(self, free: int, waiting: int, running: int) -> int:
+        return free if free >= min(self.admission_batch, waiting) or running == 0 else 0
+
+    def record(self, admitted: int, admit_seconds: float, step_seconds: float) -> None:
+        """(Nothing measured.)"""
 
 
 class JoinGate:

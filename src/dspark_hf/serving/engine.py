@@ -40,7 +40,7 @@ from ..models import DSparkDraftModel
 from ..scheduling import RoundWidthChooser, SchedulerPolicy, SpeculationGuard, SPSTable, get_policy
 from ..verify import VerifyResult, verify
 from ..verify.reference import processed_scores
-from .admission import JoinGate
+from .admission import FreeRowsGate, JoinGate
 from .requests import Request, RequestOutput, SamplingParams, prompt_token_ids
 
 
@@ -223,7 +223,6 @@ class DSparkEngine:
                              f"got {admission_batch!r}.")
         if (static_graph_batch_sizes is not None or static_admission_rows != 1) and not static:
             raise ValueError("static_graph_batch_sizes and static_admission_rows apply to DSparkEngine(static=True).")
-        self.admission_batch = admission_batch
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
         self.generator = torch.Generator(device=target.device).manual_seed(seed)
         sampler = RequestSampler(self.generator)
@@ -234,7 +233,7 @@ class DSparkEngine:
         else:
             self.runner = _speculative_rows(target, drafter, policy, gamma, threshold, sps_table, speculation_guard,
                                             compact_threshold, sampler)
-        self.join_gate = None if admission_batch != "auto" else JoinGate(
+        self.join_gate = FreeRowsGate(admission_batch) if admission_batch != "auto" else JoinGate(
             self.runner.admission.rows if static else max_batch_size)
         text = target.config.get_text_config()
         self.vocab_size = text.vocab_size
@@ -357,12 +356,7 @@ class DSparkEngine:
                 request._finish("cancelled")
             admitted = []
             free = self.max_batch_size - len(self.runner.rows) + len(cancelled)
-            if self.join_gate is not None:
-                joining = self.join_gate.rows_to_join(free, len(self.waiting), self.max_batch_size - free)
-            elif free >= min(self.admission_batch, len(self.waiting)) or free == self.max_batch_size:
-                joining = free
-            else:
-                joining = 0
+            joining = self.join_gate.rows_to_join(free, len(self.waiting), self.max_batch_size - free)
             while self.waiting and len(admitted) < joining:
                 admitted.append(self.waiting.popleft())
         for row in cancelled:
@@ -398,8 +392,7 @@ class DSparkEngine:
                                        admit_seconds=admitted_at - started, step_seconds=now - admitted_at,
                                        ended=now))
             self.runner.remove(self._deliver(rows, committed))
-        if self.join_gate is not None:
-            self.join_gate.record(len(admitted), admitted_at - started, now - admitted_at)
+        self.join_gate.record(len(admitted), admitted_at - started, now - admitted_at)
 
     def round_profile(self) -> dict[str, float]:
         """Milliseconds per round in each part (`generation.profiling.PARTS`) and in all, over the rounds so far.
