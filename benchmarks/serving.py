@@ -812,10 +812,11 @@ def main() -> None:
                         help="new tokens per request of each cell's warm-up run (the hardware-aware chooser explores "
                              "every width there and lives on into the timed runs; with 8, its first refreshes fall "
                              "into the first timed run)")
-    parser.add_argument("--admission-batch", type=lambda value: value if value == "auto" else int(value), default=1,
+    parser.add_argument("--admission-batch", type=lambda value: value if value == "auto" else int(value),
+                        default="auto",
                         help="--static: DSparkEngine's admission_batch (waiting requests join once this many rows are "
-                             "free; capped at the concurrency), or auto (joins held while they cost more than the idle "
-                             "rows, serving.admission.JoinGate)")
+                             "free; capped at the concurrency), or auto (the static engine's default: joins held while "
+                             "they cost more than the idle rows, serving.admission.JoinGate)")
     parser.add_argument("--admission-rows", type=int, default=1,
                         help="--static: DSparkEngine's static_admission_rows (requests joining together run their "
                              "admission chunks as one graph of this many rows; capped at the concurrency)")

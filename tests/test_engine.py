@@ -23,7 +23,7 @@ from dspark_hf.generation.static_batch import StaticBatchRounds
 from dspark_hf.scheduling import RoundWidthChooser, SpeculationGuard, SPSTable
 from dspark_hf.serving import DSparkEngine
 from dspark_hf.serving import engine as engine_module
-from dspark_hf.serving.admission import JoinGate
+from dspark_hf.serving.admission import FreeRowsGate, JoinGate
 
 VOCAB_SIZE = 48
 EOS = 2
@@ -724,6 +724,11 @@ def test_admission_batch_auto_holds_joins_that_cost_more_than_idle_rows(models, 
             assert size == min(4, remaining)
         remaining -= size
     assert sizes[0.0] == sizes[1] and min(sizes[1]) < 2
+    default = DSparkEngine(target, drafter, max_batch_size=4, max_model_len=64, static=static, policy="fixed").join_gate
+    if static:  # the default: "auto" on static caches, 1 (join at once) on the eager engine
+        assert isinstance(default, JoinGate)
+    else:
+        assert isinstance(default, FreeRowsGate) and default.admission_batch == 1
     with pytest.raises(ValueError, match="auto"):
         DSparkEngine(target, drafter, max_batch_size=4, admission_batch="sometimes")
 

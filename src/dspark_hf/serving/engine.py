@@ -171,10 +171,12 @@ class DSparkEngine:
             (`dspark_policy`, `dspark_threshold`, `dspark_sps_table`; "fixed" when it has none), as in generate().
         max_batch_size: requests decoded at once; the others wait (FIFO) and join between rounds.
         admission_batch: waiting requests join once at least this many rows are free (or as many as are waiting, or
-            none is running): fewer, larger admission prefills, for rows left idle a few rounds. Default 1: at once.
+            none is running): fewer, larger admission prefills, for rows left idle a few rounds; 1: at once.
             "auto": `serving.admission.JoinGate` holds a join until the free rows' idle time reaches the stall it
             would cost the running requests, from measured join and round times, or until a whole admission set
-            (`static_admission_rows` rows; the eager engine's whole batch) is free; then whole sets join.
+            (`static_admission_rows` rows; the eager engine's whole batch) is free; then whole sets join. Default:
+            "auto" with `static` (on the H200 1.0-2.1x the tokens/s of joining at once, docs/serving.md), 1 without
+            (the eager engine was not measured with "auto").
         max_model_len: context limit (default: the target's `max_position_embeddings`).
         seed: seeds the engine's random generator (draft sampling and verification noise).
         default_sampling: defaults for `add_request`'s sampling arguments (e.g. `{"temperature": 0}`).
@@ -209,7 +211,7 @@ class DSparkEngine:
                  seed: int = 0, default_sampling: dict | None = None, compact_threshold: float = 0.5,
                  speculation_guard: bool | SpeculationGuard | None = None, profile_rounds: bool = False,
                  static: bool = False, static_compile: bool | dict | None = None,
-                 admission_batch: int | Literal["auto"] = 1, static_graph_batch_sizes: Iterable[int] | None = None,
+                 admission_batch: int | Literal["auto"] | None = None, static_graph_batch_sizes: Iterable[int] | None = None,
                  static_admission_rows: int = 1):
         check_batchable_target(target)
         if drafter is not None:
@@ -217,6 +219,8 @@ class DSparkEngine:
             drafter.share_target_weights(target)
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}.")
+        if admission_batch is None:
+            admission_batch = "auto" if static else 1
         if admission_batch != "auto" and not (isinstance(admission_batch, int)
                                               and 1 <= admission_batch <= max_batch_size):
             raise ValueError(f"admission_batch must be \"auto\" or between 1 and max_batch_size ({max_batch_size}), "
