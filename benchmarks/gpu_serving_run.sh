@@ -95,10 +95,16 @@
 #     32 (369 s) and --repeats 3 --requests-per-slot 2 --concurrency 128 (390 s), merged into
 #     serving_static_4b_longer_runs_h200.*; then the c = 128 call with --admission-batch 16 (288 s):
 #     serving_static_4b_admission_batch16_h200.*.
-# Next: --admission-batch auto (JoinGate, modelled only: benchmarks/admission_replay.py) and 16 at every concurrency,
-#     both models; at c = 128 joins held for 16 free rows doubled no speculation's tokens/s on the 4B shape. Then the
-#     drafting engine's cost in plain rounds at high load (hardware-aware 0.939x no speculation there: refreshes,
-#     joins, plain rounds, a few % each).
+# Twenty-fifth session (library dd848e6): the twenty-fourth session's 4B command with --admission-batch auto at
+#     --repeats 3 --requests-per-slot 2 --concurrency 128 (284 s), --repeats 4 --requests-per-slot 4 --concurrency 32
+#     (257 s) and --repeats 3 --requests-per-slot 4 --concurrency 8 (443 s), merged into
+#     serving_static_4b_admission_auto_h200.*; the code50m arguments of the nineteenth session with --admission-batch
+#     auto --concurrency 256 64 16 (299 s): serving_static_code50m_admission_auto_h200.*. "auto" is now serving.py's
+#     (and the static engine's) default.
+# Next: the drafting engine's cost while it runs plain rounds at high load (hardware-aware 0.956x no speculation at
+#     the 4B shape's c = 128 with "auto": plain rounds 3-6 % dearer, joins 2.5 %, refreshes); --admission-rows 4 for
+#     the 4B shape; the concurrencies not yet run with "auto" (code50m c = 1, 2, 4, 8, 32, 128; the 4B shape c = 1,
+#     2, 4, 16, 64, 256).
 set -uo pipefail
 # SERVING_TIMEOUT=S stops the benchmark after S seconds (results are saved after every concurrency); 0: no limit.
 export PYTHONPATH=${DSPARK_SRC:-src}
