@@ -175,7 +175,7 @@ class DSparkEngine:
             "auto": `serving.admission.JoinGate` holds a join until the free rows' idle time reaches the stall it
             would cost the running requests, from measured join and round times, or until a whole admission set
             (`static_admission_rows` rows; the eager engine's whole batch) is free; then whole sets join. Default:
-            "auto" with `static` (on the H200 1.0-2.1x the tokens/s of joining at once, docs/serving.md), 1 without
+            "auto" with `static` (on the H200 1.15-2.0x the tokens/s of joining at once, docs/serving.md), 1 without
             (the eager engine was not measured with "auto").
         max_model_len: context limit (default: the target's `max_position_embeddings`).
         seed: seeds the engine's random generator (draft sampling and verification noise).
@@ -211,8 +211,8 @@ class DSparkEngine:
                  seed: int = 0, default_sampling: dict | None = None, compact_threshold: float = 0.5,
                  speculation_guard: bool | SpeculationGuard | None = None, profile_rounds: bool = False,
                  static: bool = False, static_compile: bool | dict | None = None,
-                 admission_batch: int | Literal["auto"] | None = None, static_graph_batch_sizes: Iterable[int] | None = None,
-                 static_admission_rows: int = 1):
+                 admission_batch: int | Literal["auto"] | None = None,
+                 static_graph_batch_sizes: Iterable[int] | None = None, static_admission_rows: int = 1):
         check_batchable_target(target)
         if drafter is not None:
             check_drafter_fits_target(drafter.config, target)
