@@ -104,7 +104,9 @@
 # Next: the drafting engine's cost while it runs plain rounds at high load (hardware-aware 0.956x no speculation at
 #     the 4B shape's c = 128 with "auto": plain rounds 3-6 % dearer, joins 2.5 %, refreshes); --admission-rows 4 for
 #     the 4B shape; the concurrencies not yet run with "auto" (code50m c = 1, 2, 4, 8, 32, 128; the 4B shape c = 1,
-#     2, 4, 16, 64, 256).
+#     2, 4, 16, 64, 256). Also: `python benchmarks/attention_hidden_tiles.py` on the branch attention-key-bounds (the
+#     kernel told each row's visible key range; ~45 s) and, if it cuts the hidden tiles' cost, merge it and re-run a
+#     4B cell (a plain round at c = 128 pays ~5 hidden tiles a layer, ~5.5 of 35 us).
 set -uo pipefail
 # SERVING_TIMEOUT=S stops the benchmark after S seconds (results are saved after every concurrency); 0: no limit.
 export PYTHONPATH=${DSPARK_SRC:-src}
