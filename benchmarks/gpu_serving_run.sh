@@ -106,7 +106,9 @@
 #     the 4B shape; the concurrencies not yet run with "auto" (code50m c = 1, 2, 4, 8, 32, 128; the 4B shape c = 1,
 #     2, 4, 16, 64, 256). Also: `python benchmarks/attention_hidden_tiles.py` on the branch attention-key-bounds (the
 #     kernel told each row's visible key range; ~45 s) and, if it cuts the hidden tiles' cost, merge it and re-run a
-#     4B cell (a plain round at c = 128 pays ~5 hidden tiles a layer, ~5.5 of 35 us).
+#     4B cell (a plain round at c = 128 pays ~5 hidden tiles a layer, ~5.5 of 35 us). And the branch overlapped-rounds
+#     (DSparkEngine(static_overlap=True), serving.py --overlap: the host's 0.3-0.6 ms a round hidden behind the next
+#     round): the code50m call above with and without --overlap at c = 16 64 256, then a 4B cell; merge if it pays.
 set -uo pipefail
 # SERVING_TIMEOUT=S stops the benchmark after S seconds (results are saved after every concurrency); 0: no limit.
 export PYTHONPATH=${DSPARK_SRC:-src}
