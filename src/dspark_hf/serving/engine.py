@@ -175,7 +175,7 @@ class DSparkEngine:
             "auto": `serving.admission.JoinGate` holds a join until the free rows' idle time reaches the stall it
             would cost the running requests, from measured join and round times, or until a whole admission set
             (`static_admission_rows` rows; the eager engine's whole batch) is free; then whole sets join. Default:
-            "auto" with `static` (on the H200 1.15-2.0x the tokens/s of joining at once, docs/serving.md), 1 without
+            "auto" with `static` (on the H200 1.04-2.1x the tokens/s of joining at once, docs/serving.md), 1 without
             (the eager engine was not measured with "auto").
         max_model_len: context limit (default: the target's `max_position_embeddings`).
         seed: seeds the engine's random generator (draft sampling and verification noise).
