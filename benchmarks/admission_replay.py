@@ -74,7 +74,8 @@ def replay_cell(runs: list[list[dict]], cell: dict, settings: dict, admission_ba
     concurrency = cell["concurrency"]
     rows_per_set = min(rows_per_set, concurrency)
     costs = measured_costs(runs, rows_per_set)
-    round_seconds = costs["step_seconds"] + cell["other_ms_per_round"] / 1e3
+    other = cell["other_ms_per_round"] / 1e3  # the cell's host time per round outside the round's step
+    round_seconds = costs["step_seconds"] + other
     args = argparse.Namespace(**settings)
     lengths = request_lengths(request_count(concurrency, args), args)
     modelled = {}
@@ -83,7 +84,6 @@ def replay_cell(runs: list[list[dict]], cell: dict, settings: dict, admission_ba
         seconds, joins = modelled_cell(lengths, concurrency, rows_per_set, costs["set_seconds"],
                                        costs["first_seconds"], round_seconds, batch)
         modelled[str(setting)] = dict(tokens_per_second=sum(lengths) / seconds, seconds=seconds, joins=len(joins))
-    other = cell["other_ms_per_round"] / 1e3
     measured = [sum(entry["admit_ms"] + entry["step_ms"] for entry in rounds) / 1e3 + other * len(rounds)
                 for rounds in runs]
     return dict(costs=costs, round_seconds=round_seconds, requests=len(lengths), modelled=modelled,

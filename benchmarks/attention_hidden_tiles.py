@@ -71,9 +71,7 @@ def microseconds_per_call(inputs, calls: int, graphed: int = 20) -> float:
 def hidden_tile_slope(capacities: list[int], visible: int, microseconds: list[float]) -> float:
     """µs per hidden tile: the least-squares slope of time over the number of hidden tiles."""
     hidden = [(capacity - visible) / BLOCK_N for capacity in capacities]
-    mean_x, mean_y = statistics.fmean(hidden), statistics.fmean(microseconds)
-    spread = sum((x - mean_x) ** 2 for x in hidden)
-    return sum((x - mean_x) * (y - mean_y) for x, y in zip(hidden, microseconds)) / spread
+    return statistics.linear_regression(hidden, microseconds).slope
 
 
 def main() -> None:
