@@ -58,6 +58,24 @@ def test_sampling_identical_with_filters(dtype):
 
 
 @interp
+def test_strided_inputs_identical():
+    """Views as a static batch passes them: the first v of each row's γ drafts (`drafts[:, :v].reshape(-1)`, a 1-D
+    view with stride γ), per-request settings that are strided views. The kernel read draft_ids as contiguous once:
+    the static engine's sampled rounds that verified fewer than γ drafts then tested other rows' drafts."""
+    gamma, verify_count, rows = 3, 1, 7
+    d, nd, logits, q = make_case([verify_count] * rows, V=32, seed=11, closeness=0.7)
+    drafted = torch.zeros(rows, gamma, dtype=torch.int64)
+    drafted[:, :verify_count] = d.view(rows, verify_count)
+    drafted[:, verify_count:] = (d.view(rows, verify_count)[:, :1] + 5) % 32  # the drafts that are not verified
+    strided = drafted[:, :verify_count].reshape(-1)
+    assert strided.stride(0) == gamma
+    settings = torch.tensor([[0.8, 1.3]] * rows)[:, 0]  # stride 2
+    res = both(strided, nd, logits, q, do_sample=True, temperature=settings, seeds=torch.arange(rows) * 7 - 20)
+    assert torch.equal(res.num_accepted, verify(d, nd, logits, q, do_sample=True, temperature=settings.clone(),
+                                                seeds=torch.arange(rows) * 7 - 20, backend="torch").num_accepted)
+
+
+@interp
 def test_explicit_noise_one_hot_and_all_accepted():
     lens = [3, 0, 2, 4]
     V = 32

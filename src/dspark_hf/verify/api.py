@@ -190,7 +190,7 @@ def verify(
     if draft_probs is not None and draft_probs.stride(1) != 1:
         draft_probs = draft_probs.contiguous()
     prep = _Prepared(
-        draft_ids=draft_ids.to(device=device, dtype=torch.int64),
+        draft_ids=draft_ids.to(device=device, dtype=torch.int64).contiguous(),  # (the kernel reads it densely)
         num_drafts=num_drafts,
         target_logits=target_logits,
         draft_probs=draft_probs,
