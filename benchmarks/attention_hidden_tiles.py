@@ -9,8 +9,9 @@ and the drafting engine's caches are longer than the no-speculation engine's (48
 tiles against 7). Here every batch row sees the same number of keys (`--visible`, at a random offset, as a row's
 prompt padding and unwritten columns leave them) in caches of several lengths, with the Qwen3-4B shape's attention
 (32 query heads, 8 K/V heads, head size 128, bf16, one query per row, an additive mask as transformers builds it).
-Reported per batch size: the kernel's median µs per call at each cache length and, from a least-squares line over
-the lengths, the µs each hidden tile adds.
+Reported per batch size, with the mask alone and with each row's key bounds (`key_bounds`, which the static batch's
+target forwards pass): the kernel's median µs per call at each cache length and, from a least-squares line over the
+lengths, the µs each hidden tile adds.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from dspark_hf.generation.static_attention import BLOCK_N, split_kv_attention  #
 
 def attention_inputs(batch: int, capacity: int, visible: int, heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
                      device: str = "cpu", dtype: torch.dtype = torch.bfloat16, seed: int = 0):
-    """(query [B, H, 1, d], key, value [B, KV, capacity, d], additive mask [B, 1, 1, capacity]): each row sees
-    `visible` consecutive keys starting at a random column."""
+    """(query [B, H, 1, d], key, value [B, KV, capacity, d], additive mask [B, 1, 1, capacity], key bounds [B, 2]):
+    each row sees `visible` consecutive keys starting at a random column; its bounds are that range."""
     generator = torch.Generator().manual_seed(seed)
     query = torch.randn(batch, heads, 1, head_dim, generator=generator).to(device, dtype)
     key = torch.randn(batch, kv_heads, capacity, head_dim, generator=generator).to(device, dtype)
@@ -41,21 +42,23 @@ def attention_inputs(batch: int, capacity: int, visible: int, heads: int = 32, k
     columns = torch.arange(capacity)
     seen = (columns >= start[:, None]) & (columns < start[:, None] + visible)
     mask = torch.zeros(batch, 1, 1, capacity).masked_fill(~seen[:, None, None], torch.finfo(dtype).min)
-    return query, key, value, mask.to(device, dtype)
+    bounds = torch.stack([start, start + visible], dim=-1)
+    return query, key, value, mask.to(device, dtype), bounds.to(device)
 
 
-def microseconds_per_call(inputs, calls: int, graphed: int = 20) -> float:
-    """GPU µs per call: `graphed` calls captured in one CUDA graph (no launch overhead between them), the median
-    over `calls` // `graphed` CUDA-event-timed replays."""
-    query, key, value, mask = inputs
+def microseconds_per_call(inputs, calls: int, bounded: bool = False, graphed: int = 20) -> float:
+    """GPU µs per call (with `bounded`, given the rows' key bounds): `graphed` calls captured in one CUDA graph (no
+    launch overhead between them), the median over `calls` // `graphed` CUDA-event-timed replays."""
+    query, key, value, mask, bounds = inputs
     scale = query.shape[-1] ** -0.5
+    bounds = bounds if bounded else None
     for _ in range(3):
-        split_kv_attention(query, key, value, mask, False, scale)
+        split_kv_attention(query, key, value, mask, False, scale, bounds)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for _ in range(graphed):
-            split_kv_attention(query, key, value, mask, False, scale)
+            split_kv_attention(query, key, value, mask, False, scale, bounds)
     graph.replay()
     times = []
     for _ in range(max(1, calls // graphed)):
@@ -87,13 +90,17 @@ def main() -> None:
     report = dict(benchmark="attention_hidden_tiles", environment=environment(), visible=args.visible,
                   block_n=BLOCK_N, batches={})
     for batch in args.batches:
-        times = [microseconds_per_call(attention_inputs(batch, capacity, args.visible, device="cuda"), args.calls)
-                 for capacity in args.capacities]
-        slope = hidden_tile_slope(args.capacities, args.visible, times)
-        report["batches"][str(batch)] = dict(microseconds={str(c): t for c, t in zip(args.capacities, times)},
-                                             microseconds_per_hidden_tile=slope)
-        print(f"batch {batch:4d}: " + ", ".join(f"{c} keys {t:.1f} us" for c, t in zip(args.capacities, times))
-              + f"; {slope:.2f} us per hidden tile")
+        entry = report["batches"][str(batch)] = {}
+        for bounded in (False, True):
+            inputs = [attention_inputs(batch, capacity, args.visible, device="cuda") for capacity in args.capacities]
+            times = [microseconds_per_call(case, args.calls, bounded) for case in inputs]
+            slope = hidden_tile_slope(args.capacities, args.visible, times)
+            name = "key_bounds" if bounded else "mask_only"
+            entry[name] = dict(microseconds={str(c): t for c, t in zip(args.capacities, times)},
+                               microseconds_per_hidden_tile=slope)
+            print(f"batch {batch:4d}, {name:10s}: " + ", ".join(f"{c} keys {t:.1f} us"
+                                                                for c, t in zip(args.capacities, times))
+                  + f"; {slope:.2f} us per hidden tile")
     if args.out:
         args.out.write_text(json.dumps(report, indent=2) + "\n")
 

@@ -1,4 +1,5 @@
-"""benchmarks/attention_hidden_tiles.py: its inputs (each row sees exactly `visible` consecutive keys) and the slope."""
+"""benchmarks/attention_hidden_tiles.py: its inputs (each row sees exactly `visible` consecutive keys, its bounds) and
+the slope."""
 
 from __future__ import annotations
 
@@ -13,14 +14,14 @@ import attention_hidden_tiles  # noqa: E402
 
 
 def test_each_row_sees_visible_consecutive_keys():
-    query, key, value, mask = attention_hidden_tiles.attention_inputs(5, 300, 40, heads=4, kv_heads=2, head_dim=8,
-                                                                      dtype=torch.float32)
+    query, key, value, mask, bounds = attention_hidden_tiles.attention_inputs(5, 300, 40, heads=4, kv_heads=2,
+                                                                              head_dim=8, dtype=torch.float32)
     assert query.shape == (5, 4, 1, 8) and key.shape == value.shape == (5, 2, 300, 8) and mask.shape == (5, 1, 1, 300)
     seen = mask[:, 0, 0] == 0
     assert seen.sum(dim=1).tolist() == [40] * 5
-    for row in seen:
+    for row, (first, end) in zip(seen, bounds.tolist()):
         columns = row.nonzero().flatten()
-        assert (columns.diff() == 1).all()
+        assert (columns.diff() == 1).all() and columns[0] == first and columns[-1] == end - 1
     assert (mask[~(mask == 0)] == torch.finfo(torch.float32).min).all()
 
 

@@ -1,5 +1,6 @@
 """The static-cache attention kernel (`generation/static_attention.py`) under TRITON_INTERPRET=1 (CPU): the same
-output as transformers' SDPA attention for boolean, additive and no masks, GQA, one and several cache slices; and
+output as transformers' SDPA attention for boolean, additive and no masks, GQA, one and several cache slices, keys
+outside a row's bounds not visited; and
 `static_generate` with it produces the same tokens as with the model's own attention. Skipped without triton."""
 
 from __future__ import annotations
@@ -89,6 +90,27 @@ def test_tiles_no_query_sees_are_not_read(mask_kind):
     torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
 
 
+@interp
+@pytest.mark.parametrize("slices", ["one", "several"])
+def test_key_bounds_keep_the_kernel_to_each_rows_keys(slices, monkeypatch):
+    """`key_bounds` [B, 2]: the kernel visits only the keys from row b's first bound (rounded down to a tile) to its
+    second. Here the mask shows every key and the keys outside the bounds hold NaN: the output is SDPA's over the
+    bounded keys alone, so the keys outside were neither read nor counted."""
+    monkeypatch.setattr(static_attention, "_sm_count", lambda device: 1 if slices == "one" else 64)
+    module, query, key, value, _ = attention_case(3, 8, 4, 2, 300, 32, None)
+    bounds = torch.tensor([[64, 150], [0, 300], [128, 129]])  # (tile-aligned first bounds: the rounding is moot)
+    inside = (torch.arange(300) >= bounds[:, :1]) & (torch.arange(300) < bounds[:, 1:])  # [B, K]
+    outside = ~inside[:, None, :, None]
+    poisoned = (key.masked_fill(outside, float("nan")), value.masked_fill(outside, float("nan")))
+    everything = torch.ones(3, 1, 2, 300, dtype=torch.bool)
+    ours, _ = static_cache_attention(module, query, *poisoned, everything, scaling=0.3, key_bounds=bounds)
+    reference, _ = sdpa_attention_forward(module, query, key, value, inside[:, None, None, :].expand(3, 1, 2, 300),
+                                          scaling=0.3)
+    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
+    unbounded, _ = static_cache_attention(module, query, key, value, everything, scaling=0.3)
+    assert not torch.allclose(unbounded, reference)  # (the bounds changed what was attended)
+
+
 class _Counting:
     """Stands in for a Triton kernel: records each launch's grid, then launches."""
 
@@ -126,11 +148,14 @@ def test_compiled_callers_get_the_kernels_as_one_opaque_operator(monkeypatch):
         graphs.append(graph_module)
         return graph_module
 
-    compiled = torch.compile(lambda *tensors: static_cache_attention(module, *tensors, scaling=0.3)[0],
+    compiled = torch.compile(lambda *tensors, **bounds: static_cache_attention(module, *tensors, scaling=0.3,
+                                                                               **bounds)[0],
                              backend=recording_backend, fullgraph=True)
     ours = compiled(query, key, value, mask)
     eager, _ = static_cache_attention(module, query, key, value, mask, scaling=0.3)
     torch.testing.assert_close(ours, eager, rtol=0, atol=0)
+    bounds = torch.tensor([[0, 272]])  # (every key: the same output, through the operator's optional argument)
+    torch.testing.assert_close(compiled(query, key, value, mask, key_bounds=bounds), eager, rtol=0, atol=0)
     called = [str(node.target) for node in graphs[0].graph.nodes if node.op == "call_function"]
     assert any("dspark_hf.split_kv_attention" in target for target in called), called
 
@@ -164,11 +189,17 @@ def test_static_generate_batch_with_the_kernel_and_fused_projections_gives_the_s
     width = max(map(len, prompts))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    bounded = []
+    kernel_call = static_attention.split_kv_attention
+    monkeypatch.setattr(static_attention, "split_kv_attention",
+                        lambda *args: bounded.append(args[6] is not None) or kernel_call(*args))
     for model in (None, drafter):
         expected = static_generate_batch(target, model, ids, mask, 16, attention="model", fuse_projections=False)
         assert not launches
         got = static_generate_batch(target, model, ids, mask, 16, attention="static_kernel", fuse_projections=True)
         assert got == expected
         assert launches  # the target's decoding steps (and the drafter's block) ran the kernel
+        assert any(bounded)  # the target's forwards gave each row's key bounds (the drafter's do not)
         launches.clear()
+        bounded.clear()
     assert target.config._attn_implementation == "sdpa" and drafter.config._attn_implementation == "sdpa"

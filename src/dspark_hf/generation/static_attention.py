@@ -10,6 +10,10 @@ one K/V head and a slice of the cache, with all the head's query rows (its GQA g
 second kernel merges the slices (flash-decoding). A tile of keys that the mask hides from every query row of the
 program (left padding, columns not written yet, a drafter's longer cache) is not read: with 256 rows of a Qwen3-4B
 shape, attention over every column took a fifth of a round's GPU time (benchmarks/results/plain_round_tax_h200.json).
+Finding out still loads the tile's mask (on the H200 about 1.1 µs a call per hidden tile at 128 rows against some
+15 µs per visible one, benchmarks/results/attention_hidden_tiles_h200.json), so a caller that knows each row's range
+of visible keys passes it (`key_bounds`, as the static batch's target forwards do) and the tiles outside are not
+visited at all.
 
 The semantics are transformers' `sdpa_attention_forward`: the mask is a boolean (True: attend) or an additive float
 mask broadcastable to [B, 1, Q, K]; without one, Q > 1 is causal (SDPA's top-left alignment) unless the module says
@@ -67,15 +71,17 @@ if triton is not None:
 
     @triton.jit
     def _attend_slice(
-        q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, part_ptr, stat_ptr,
+        q_ptr, k_ptr, v_ptr, mask_ptr, bounds_ptr, out_ptr, part_ptr, stat_ptr,
         sq_b, sq_h, sq_n, sk_b, sk_h, sk_l, sv_b, sv_h, sv_l, sm_b, sm_n, sm_l, so_b, so_n, so_h,
         num_kv_heads, num_queries, kv_length, keys_per_slice, scale, masked_at,
         GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
         MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, SLICES: tl.constexpr, IEEE: tl.constexpr,
+        BOUNDED: tl.constexpr,
     ):
         """One (batch row, K/V head, cache slice): all GROUP × num_queries query rows against the slice's keys,
         online softmax. One slice: the normalised output; several: the slice's (max, sum, accumulator). An additive
-        mask's values <= `masked_at` hide their key; a tile of keys hidden from every query row is skipped."""
+        mask's values <= `masked_at` hide their key; a tile of keys hidden from every query row is skipped.
+        `BOUNDED`: the row's keys outside [bounds[b, 0], bounds[b, 1]) are not visited at all (whole tiles)."""
         pid = tl.program_id(0)
         part = tl.program_id(1)
         b, kv_head, rows, row_ok, head, query = _query_rows(pid, num_kv_heads, num_queries, GROUP, ROWS)
@@ -87,6 +93,10 @@ if triton is not None:
         acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
         start = part * keys_per_slice
         end = tl.minimum(start + keys_per_slice, kv_length)
+        if BOUNDED:  # (start stays on a tile boundary: whole tiles are loaded as before)
+            first_key = tl.load(bounds_ptr + 2 * b).to(tl.int32)
+            start = tl.maximum(start, first_key - first_key % BLOCK)
+            end = tl.minimum(end, tl.load(bounds_ptr + 2 * b + 1).to(tl.int32))
         for first in range(start, end, BLOCK):
             keys = first + tl.arange(0, BLOCK)
             key_ok = keys < end
@@ -189,19 +199,22 @@ def static_cache_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention interface: `query` [B, Hq, Q, D], `key` / `value` [B, Hkv, K, D] -> ([B, Q, Hq, D],
-    None), as `sdpa_attention_forward` computes it (see the module docstring)."""
+    None), as `sdpa_attention_forward` computes it (see the module docstring). `key_bounds` (a keyword the model's
+    forward passes through to its attention): [B, 2], per batch row the first key any of its queries may see and one
+    past the last; the kernel does not visit the keys outside (the mask must hide them), SDPA ignores it."""
+    key_bounds = kwargs.pop("key_bounds", None)
     if not _kernel_covers(query, key, dropout, kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = query.shape[2] > 1 and attention_mask is None and causal
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
-    return split_kv_attention(query, key, value, attention_mask, causal, scale), None
+    return split_kv_attention(query, key, value, attention_mask, causal, scale, key_bounds), None
 
 
 @torch.library.custom_op("dspark_hf::split_kv_attention", mutates_args=())
 def split_kv_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
-                       causal: bool, scale: float) -> torch.Tensor:
+                       causal: bool, scale: float, key_bounds: torch.Tensor | None = None) -> torch.Tensor:
     """The kernels' launch, an opaque operator to torch.compile. Inductor traced the launches of the user-defined
     kernels itself before, and in the compiled engine rounds on an H200 the split path (several slices, merged by
     a second kernel) then gave wrong attention: about 6 % of the drafts at batch 1 equalled the eager ones, with
@@ -234,13 +247,15 @@ def split_kv_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     if slices > 1:
         parts = torch.empty(programs * slices * rows * head_dim, device=query.device, dtype=torch.float32)
         stats = torch.empty(programs * slices * rows * 2, device=query.device, dtype=torch.float32)
+    if key_bounds is not None and key_bounds.stride(-1) != 1:
+        key_bounds = key_bounds.contiguous()
     _attend_slice[(programs, slices)](
-        query, key, value, mask, out, parts, stats,
+        query, key, value, mask, key_bounds if key_bounds is not None else query, out, parts, stats,
         query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2), *mask_strides, out.stride(0), out.stride(1), out.stride(2),
         num_kv_heads, num_queries, kv_length, keys_per_slice, scale, masked_at,
         GROUP=group, ROWS=rows, HEAD_DIM=head_dim, BLOCK=BLOCK_N, MASK_KIND=mask_kind, CAUSAL=causal,
-        SLICES=slices, IEEE=query.dtype == torch.float32,
+        SLICES=slices, IEEE=query.dtype == torch.float32, BOUNDED=key_bounds is not None,
     )
     if slices > 1:
         _merge_slices[(programs,)](out, parts, stats, out.stride(0), out.stride(1), out.stride(2), num_kv_heads,
@@ -249,7 +264,7 @@ def split_kv_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 
 
 @split_kv_attention.register_fake
-def _(query, key, value, mask, causal, scale):
+def _(query, key, value, mask, causal, scale, key_bounds=None):
     batch, num_heads, num_queries, head_dim = query.shape
     return query.new_empty(batch, num_queries, num_heads, head_dim)
 

@@ -52,6 +52,7 @@ from ..verify.reference import processed_scores
 from .batched import BatchedDSparkStats, append_rows, padding_token
 from .candidate_generator import DSparkStats
 from .speculative_rows import check_batchable_target
+from .static_attention import STATIC_ATTENTION
 from .static_loop import commit, exponential_noise, fast_kernels, fast_path_call, race
 from .target_features import check_drafter_fits_target
 
@@ -290,6 +291,8 @@ class StaticBatchRounds:
         positions = (first_column - self.pad)[:, None] + torch.arange(ids.shape[1], device=ids.device)
         mask = visible_columns(self.pad, first_column, ids.shape[1], self.capacity, True, self.target.dtype)
         keep = dict(logits_to_keep=logits_to_keep) if logits_to_keep else {}
+        if self.target.config._attn_implementation == STATIC_ATTENTION:  # the kernel skips the keys no query sees
+            keep["key_bounds"] = torch.stack([self.pad, first_column + ids.shape[1]], dim=-1)
         logits = self.target(input_ids=ids, position_ids=positions.clamp(min=0), attention_mask=mask,
                              past_key_values=self.target_cache, use_cache=True, **keep).logits.float()
         return logits, self.tap.features() if self.tap is not None else None
