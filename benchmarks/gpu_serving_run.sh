@@ -101,14 +101,17 @@
 #     serving_static_4b_admission_auto_h200.*; the code50m arguments of the nineteenth session with --admission-batch
 #     auto --concurrency 256 64 16 (299 s): serving_static_code50m_admission_auto_h200.*. "auto" is now serving.py's
 #     (and the static engine's) default.
-# Next: the drafting engine's cost while it runs plain rounds at high load (hardware-aware 0.956x no speculation at
-#     the 4B shape's c = 128 with "auto": plain rounds 3-6 % dearer, joins 2.5 %, refreshes); --admission-rows 4 for
-#     the 4B shape; the concurrencies not yet run with "auto" (code50m c = 1, 2, 4, 8, 32, 128; the 4B shape c = 1,
-#     2, 4, 16, 64, 256). Also: `python benchmarks/attention_hidden_tiles.py` on the branch attention-key-bounds (the
-#     kernel told each row's visible key range; ~45 s) and, if it cuts the hidden tiles' cost, merge it and re-run a
-#     4B cell (a plain round at c = 128 pays ~5 hidden tiles a layer, ~5.5 of 35 us). And the branch overlapped-rounds
-#     (DSparkEngine(static_overlap=True), serving.py --overlap: the host's 0.3-0.6 ms a round hidden behind the next
-#     round): the code50m call above with and without --overlap at c = 16 64 256, then a 4B cell; merge if it pays.
+# Twenty-sixth session (library c01b6a2, key_bounds merged): `python benchmarks/attention_hidden_tiles.py` (hidden
+#     tiles 0.00 us with the bounds); the twenty-fifth session's 4B command at c = 128 (356 s, fresh machine):
+#     serving_static_4b_key_bounds_h200.*; the code50m command at c = 256 64 16 (320 s):
+#     serving_static_code50m_key_bounds_h200.*. Before them, main + both branches with --policies no_spec
+#     hardware_aware, SERVING_TIMEOUT=210 each, without and with --overlap (OUT=$OUT/read, OUT=$OUT/overlap; only
+#     c = 256 finished): serving_static_code50m_overlap_trial_*.
+# Next: why hardware-aware's plain rounds at code50m's c = 256 cost more than no speculation's (medians 1.29-1.45
+#     against 1.22-1.34 ms, stalls of 53-91 ms); the branch overlapped-rounds once its chooser times a round's period
+#     (device end to device end, or the host's step when longer) instead of the device alone, measured with
+#     --sequential (interleaved, an overlapped engine waits on the other engine's queued round); the concurrencies not
+#     yet run with "auto" (code50m c = 1, 2, 4, 8, 32, 128; the 4B shape c = 1, 2, 4, 16, 32, 64, 256).
 set -uo pipefail
 # SERVING_TIMEOUT=S stops the benchmark after S seconds (results are saved after every concurrency); 0: no limit.
 export PYTHONPATH=${DSPARK_SRC:-src}
