@@ -103,7 +103,8 @@
 #     (and the static engine's) default.
 # Twenty-sixth session (library c01b6a2, key_bounds merged): `python benchmarks/attention_hidden_tiles.py` (hidden
 #     tiles 0.00 us with the bounds); the twenty-fifth session's 4B command at c = 128 (356 s, fresh machine):
-#     serving_static_4b_key_bounds_h200.*; the code50m command at c = 256 64 16 (320 s):
+#     serving_static_4b_key_bounds_h200.*, and at c = 32 (365 s): serving_static_4b_key_bounds_c32_h200.*; the
+#     code50m command at c = 256 64 16 (320 s):
 #     serving_static_code50m_key_bounds_h200.*. Before them, main + both branches with --policies no_spec
 #     hardware_aware, SERVING_TIMEOUT=210 each, without and with --overlap (OUT=$OUT/read, OUT=$OUT/overlap; only
 #     c = 256 finished): serving_static_code50m_overlap_trial_*.
