@@ -91,8 +91,8 @@ def main() -> None:
                   block_n=BLOCK_N, batches={})
     for batch in args.batches:
         entry = report["batches"][str(batch)] = {}
+        inputs = [attention_inputs(batch, capacity, args.visible, device="cuda") for capacity in args.capacities]
         for bounded in (False, True):
-            inputs = [attention_inputs(batch, capacity, args.visible, device="cuda") for capacity in args.capacities]
             times = [microseconds_per_call(case, args.calls, bounded) for case in inputs]
             slope = hidden_tile_slope(args.capacities, args.visible, times)
             name = "key_bounds" if bounded else "mask_only"

@@ -107,6 +107,9 @@ def test_key_bounds_keep_the_kernel_to_each_rows_keys(slices, monkeypatch):
     reference, _ = sdpa_attention_forward(module, query, key, value, inside[:, None, None, :].expand(3, 1, 2, 300),
                                           scaling=0.3)
     torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
+    strided = torch.cat([bounds, bounds[:, :1]], dim=1)[:, :2]  # (row stride 3: the same bounds as a view)
+    ours, _ = static_cache_attention(module, query, *poisoned, everything, scaling=0.3, key_bounds=strided)
+    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
     unbounded, _ = static_cache_attention(module, query, key, value, everything, scaling=0.3)
     assert not torch.allclose(unbounded, reference)  # (the bounds changed what was attended)
 
