@@ -13,8 +13,9 @@ batch 1 with a fixed verify length, but every round is the same function of the 
   buffers: the host queues as many rounds as cannot overshoot `max_new_tokens` and reads their records in one
   synchronisation; sampling verifies through `dspark_hf.verify` after each round, one synchronisation per round.
 
-`compile=True` hands the round function to `torch.compile(mode="reduce-overhead")`, which captures drafter, target
-and (greedy) acceptance together as one CUDA graph on a GPU. `drafter=None` decodes plainly on the same static cache
+`compile=True` hands the round function to `torch.compile`, and on a GPU replays it as one CUDA graph holding
+drafter, target and (greedy) acceptance, captured by `cuda_graphs.GraphedFunction` (a replay costs the host 10-40 µs,
+where reduce-overhead's CUDA-graph trees took 0.2-1.3 ms). `drafter=None` decodes plainly on the same static cache
 (greedy, with no eos to watch: one read of the device at the end): the fast plain baseline a speedup is measured
 against. `target.generate(..., assistant_model=drafter, cache_implementation="static")` at batch 1 runs this loop
 (`static_assisted_decoding`; transformers itself refuses assisted generation on a static cache). Greedy output equals
@@ -25,6 +26,7 @@ compiled graph), so any tapped layer works.
 
 from __future__ import annotations
 
+import itertools
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -52,6 +54,7 @@ from ..verify import triton_available, verify
 from ..verify.reference import processed_scores
 from . import fused_projections
 from .candidate_generator import DSparkStats
+from .cuda_graphs import GraphedFunction
 from .policy import resolve_max_drafts, resolve_policy
 from .stateful import check_own_loop_supported
 from .static_attention import using_static_attention
@@ -163,9 +166,24 @@ class StaticRound:
             for buffer in (self.record, self.round_index, self.anchor, self.context_start, self.position):
                 torch._dynamo.mark_static_address(buffer)  # updated in place: CUDA graphs keep their addresses
         self.compiled = self.step
-        if compile:
-            options = compile if isinstance(compile, dict) else dict(mode="reduce-overhead", dynamic=False)
-            self.compiled = torch.compile(self.step, **options)
+        self.graph_key: tuple | None = None
+        if isinstance(compile, dict):
+            self.compiled = torch.compile(self.step, **compile)
+        elif compile:  # one CUDA graph per round, captured directly (see cuda_graphs.py for why not reduce-overhead)
+            self.compiled = GraphedFunction(torch.compile(self.step, dynamic=False), target.device)
+
+    def keep_graph_valid(self, *choices: object) -> None:
+        """Drops the captured round graph when what it reads has moved since the capture (parameters or buffers at
+        new addresses: the models were moved, their projections fused anew) or other kernels were chosen
+        (`choices`); the next rounds warm up and capture again."""
+        if not isinstance(self.compiled, GraphedFunction):
+            return
+        models = [model for model in (self.target, self.drafter) if model is not None]
+        key = choices + tuple(tensor.data_ptr() for model in models
+                              for tensor in itertools.chain(model.parameters(), model.buffers()))
+        if key != self.graph_key:
+            self.graph_key = key
+            self.compiled.reset()
 
     # ------------------------------------------------------------------ DSpark rounds
     # A greedy round's stages: draft_backbone, the drafter's draft_tokens (Markov loop), verify_forward,
@@ -255,6 +273,8 @@ class StaticRound:
             if self.features is None or self.features.shape != features.shape:
                 self.features = torch.empty_like(features)
                 torch._dynamo.mark_static_address(self.features)
+                if isinstance(self.compiled, GraphedFunction):
+                    self.compiled.reset()  # (a captured round reads the old buffer)
             self.features.copy_(features)
             self.context_start.copy_(context_start)
         self.anchor.copy_(anchor)
@@ -346,6 +366,7 @@ def fast_path(target: PreTrainedModel, drafter: DSparkDraftModel | None, max_len
                              "generate() without cache_implementation='static'.")
     build = lambda: StaticRound.for_models(target, drafter, max_length, compile, do_sample)  # noqa: E731
     with fast_kernels(target, drafter, attention, fuse_projections, build) as rounds:
+        rounds.keep_graph_valid(*kernel_choice(target, attention, fuse_projections))
         yield rounds
 
 
@@ -369,8 +390,8 @@ def static_generate(
     """`[1, L]` prompt -> `[1, L + n]` with n <= max_new_tokens (fewer when eos ends it, eos kept).
 
     `drafter=None` decodes plainly on the static cache. `eos_token_id` defaults to the target's generation config.
-    `compile`: True for `torch.compile(mode="reduce-overhead", dynamic=False)` of the round, or a dict of
-    `torch.compile` options. `seed` seeds the draft sampling and verification noise. Round statistics go to
+    `compile`: True for `torch.compile(dynamic=False)` of the round, replayed as one CUDA graph on a GPU
+    (`cuda_graphs.GraphedFunction`), or a dict of `torch.compile` options (used as they are: no graph of ours). `seed` seeds the draft sampling and verification noise. Round statistics go to
     `drafter.generation_stats` (as in `generate()`; a round is one function, so its whole wall-clock time is in
     `verify_seconds` and `draft_seconds` are 0; the device is not synchronised for them). `attention`: "auto" runs
     target and drafter attention with the static-cache Triton kernel on CUDA (`static_attention.py`) and the models'
