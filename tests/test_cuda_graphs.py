@@ -2,8 +2,10 @@
 
 Off CUDA it calls the function as it is; `StaticRound` drops its captured round when the models' tensors move or
 other kernels are chosen. The CUDA tests (skipped without a GPU; run on the GPU machine with the benchmarks) check
-that replays run the captured work without calling the function, copy arguments in, start over on new shapes, and
-that `static_generate(compile=True)` on the GPU equals plain `generate()` (float32), also after the weights moved.
+that replays run the captured work without calling the function, copy arguments in, keep one capture per argument
+signature; that `static_generate(compile=True)` on the GPU equals plain `generate()` (float32), also after the
+weights moved; and that `static_generate_batch` and `DSparkEngine(static=True)` on the GPU equal solo decoding with
+their graphs captured.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from test_static_loop import EOS, VOCAB_SIZE, drafters, plain
 from tiny_models import make_bigram_like, tiny_target
 
 from dspark_hf.generation import static_generate
-from dspark_hf.generation.cuda_graphs import GraphedFunction
+from dspark_hf.generation.cuda_graphs import GraphedFunction, signature
 from dspark_hf.generation.static_loop import StaticRound
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -51,26 +53,35 @@ def test_static_round_drops_its_graph_when_what_it_reads_moves():
     rounds = StaticRound(target, drafter, 64, compile=True, do_sample=False)
     graphed = rounds.compiled
     assert isinstance(graphed, GraphedFunction)
+    warmed = {(): graphed.warmup}  # as if warmed up (a capture needs CUDA)
     rounds.keep_graph_valid(False, False)
-    graphed.warm_calls = graphed.warmup  # as if warmed up (a capture needs CUDA)
+    graphed.warm_calls = dict(warmed)
     rounds.keep_graph_valid(False, False)
-    assert graphed.warm_calls == graphed.warmup  # nothing moved
+    assert graphed.warm_calls == warmed  # nothing moved
     rounds.keep_graph_valid(True, False)
-    assert graphed.warm_calls == 0  # another kernel
-    graphed.warm_calls = graphed.warmup
+    assert graphed.warm_calls == {}  # another kernel
+    graphed.warm_calls = dict(warmed)
     rounds.keep_graph_valid(True, False)
     parameter = next(drafter.parameters())
     parameter.data = parameter.data.clone()
     rounds.keep_graph_valid(True, False)
-    assert graphed.warm_calls == 0  # a parameter at a new address
-    graphed.warm_calls = graphed.warmup
+    assert graphed.warm_calls == {}  # a parameter at a new address
+    graphed.warm_calls = dict(warmed)
     features = torch.zeros(1, drafter.config.num_draft_slots + 1, 8)
     position = torch.tensor(3)
     rounds.start_greedy(torch.tensor([4]), position, features, position)
-    assert graphed.warm_calls == 0  # a new features buffer
-    graphed.warm_calls = graphed.warmup
+    assert graphed.warm_calls == {}  # a new features buffer
+    graphed.warm_calls = dict(warmed)
     rounds.start_greedy(torch.tensor([4]), position, features, position)
-    assert graphed.warm_calls == graphed.warmup  # the same buffer, refilled
+    assert graphed.warm_calls == warmed  # the same buffer, refilled
+
+
+def test_signature_fixes_tensor_shapes_and_other_values():
+    one, other = torch.zeros(3), torch.ones(3)
+    assert signature((one, None, 2.0)) == signature((other, None, 2.0))
+    assert signature((one, None)) != signature((one, other))  # (top-k off, top-k on: two graphs)
+    assert signature((one,)) != signature((torch.zeros(4),)) != signature((torch.zeros(4, dtype=torch.long),))
+    assert signature((one, 2.0)) != signature((one, 3.0))
 
 
 @cuda
@@ -91,19 +102,21 @@ def test_replays_run_the_captured_work_without_python():
 
 
 @cuda
-def test_arguments_are_copied_in_and_new_shapes_start_over():
+def test_arguments_are_copied_in_and_each_signature_has_its_own_capture():
     fn = Counted(lambda x, scale: x * scale + 1)
     graphed = GraphedFunction(fn, "cuda", warmup=1)
     for value in range(4):
         x = torch.full((3,), float(value), device="cuda")
         assert torch.equal(graphed(x, 2.0).clone(), x * 2 + 1)
-    assert fn.calls == 2
-    x = torch.arange(5.0, device="cuda")  # a new shape: warm-up and capture again
+    assert fn.calls == 2  # the warm-up and the capture
+    y = torch.arange(5.0, device="cuda")  # a new shape: its own warm-up and capture
     for _ in range(3):
-        assert torch.equal(graphed(x, 2.0).clone(), x * 2 + 1)
+        assert torch.equal(graphed(y, 2.0).clone(), y * 2 + 1)
     assert fn.calls == 4
-    assert torch.equal(graphed(x, 3.0).clone(), x * 3 + 1)  # another constant: likewise
+    assert torch.equal(graphed(y, 3.0).clone(), y * 3 + 1)  # another constant: likewise
     assert fn.calls == 5
+    assert torch.equal(graphed(x, 2.0).clone(), x * 2 + 1)  # back to the first: replayed
+    assert fn.calls == 5 and len(graphed.captures) == 2
 
 
 @cuda
@@ -114,7 +127,8 @@ def test_static_generate_on_cuda_replays_one_graph_and_equals_plain_generate(wit
     target.cuda()
     for ids, new_tokens in ((torch.tensor([list(range(4, 16))]), 30), (torch.tensor([[5, 9, 11]]), 24)):
         ids = ids.cuda()
-        assert torch.equal(static_generate(target, drafter, ids, new_tokens, compile=True), plain(target, ids, new_tokens))
+        expected = plain(target, ids, new_tokens)
+        assert torch.equal(static_generate(target, drafter, ids, new_tokens, compile=True), expected)
     graphed = StaticRound._kept[drafter if with_drafter else target].compiled
     assert isinstance(graphed, GraphedFunction) and graphed.captured
     target.cpu().cuda()  # the weights move: the captured round must not read the old addresses
@@ -138,3 +152,58 @@ def test_sampling_on_cuda_draws_the_same_tokens_replayed_and_eager(with_drafter)
                for compile in (False, True)}
     assert all(torch.equal(a, b) for a, b in zip(outputs[False], outputs[True]))
     assert StaticRound._kept[drafter if with_drafter else target].compiled.captured
+
+
+def cuda_solo(target, prompt: list[int], max_new_tokens: int) -> list[int]:
+    out = target.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+@cuda
+def test_static_generate_batch_on_cuda_replays_direct_graphs_and_equals_solo_generate():
+    """Greedy rounds work in place: directly captured graphs sharing one pool; every row equals its solo decoding."""
+    from test_batched_generate import left_padded
+
+    from dspark_hf.generation.static_batch import StaticBatchRounds, static_generate_batch
+
+    target = make_bigram_like(tiny_target("qwen3", vocab_size=VOCAB_SIZE, eos_token_id=EOS))
+    oracle = drafters(target)["good"].cuda()
+    target.cuda()
+    prompts = [[5, 9, 11], list(range(4, 20)), [7, 30, 8, 12, 40, 6, 9, 21, 33]]
+    for drafter in (None, oracle):
+        ids, mask = left_padded(prompts)
+        for _ in range(2):  # the second call replays what the first captured
+            rows = static_generate_batch(target, drafter, ids.cuda(), mask.cuda(), 24, compile=True)
+            assert rows == [cuda_solo(target, prompt, 24) for prompt in prompts]
+        rounds = StaticBatchRounds._kept[drafter if drafter is not None else target]
+        assert isinstance(rounds.compiled, GraphedFunction) and rounds.compiled.captured
+        assert rounds.graph_pool is not None
+
+
+@cuda
+def test_static_engine_on_cuda_serves_exactly_with_direct_graphs():
+    """`DSparkEngine(static=True)` on the GPU: warm_up captures the greedy rounds of each width and prefix, the flush
+    and the admission chunk; served greedy requests equal their solo decoding; sampled requests run (their DSpark
+    rounds under reduce-overhead's trees, which return the drafts and scores)."""
+    import random
+
+    from dspark_hf import DSparkEngine
+
+    target = make_bigram_like(tiny_target("qwen3", vocab_size=VOCAB_SIZE, eos_token_id=EOS))
+    drafter = drafters(target)["good"].cuda()
+    target.cuda()
+    engine = DSparkEngine(target, drafter, max_batch_size=4, max_model_len=96, static=True, policy="hardware_aware",
+                          default_sampling={"temperature": 0})
+    widths = (0, drafter.config.num_draft_slots)
+    engine.warm_up(widths, sampled=True, progress=False, freeze_gc=False)
+    captured = [function.captured for function in engine.runner.rounds._rounds_by_kind.values()
+                if isinstance(function, GraphedFunction)]
+    assert captured and all(captured)
+    rng = random.Random(5)
+    handles = [engine.add_request([rng.randrange(4, VOCAB_SIZE) for _ in range(rng.randint(1, 12))],
+                                  max_tokens=rng.randint(10, 40)) for _ in range(10)]
+    sampled = [engine.add_request([5, 6, 7], max_tokens=20, temperature=0.9, ignore_eos=True) for _ in range(3)]
+    engine.run()
+    for handle in handles:
+        assert handle.tokens == cuda_solo(target, handle.prompt_ids, handle.params.max_tokens)
+    assert all(len(handle.tokens) == 20 for handle in sampled)

@@ -508,9 +508,9 @@ def test_static_engine_calls_its_chooser_while_the_device_runs_a_round(models):
 
 
 def test_static_engine_tells_its_chooser_which_rounds_replay_graphs_warm_up_ran(models):
-    """`warm_up()` runs each graph twice (compiled: the second call captures it), so the chooser may time those
-    rounds from the first: a greedy round of a warmed width and row prefix, with its flush, is recorded as captured;
-    sampled rounds (not warmed here) and every round of an engine that never warmed up are not."""
+    """`warm_up()` runs each graph `WARM_UP_CALLS` times (compiled: the last call captures it), so the chooser may
+    time those rounds from the first: a greedy round of a warmed width and row prefix, with its flush, is recorded
+    as captured; sampled rounds (not warmed here) and every round of an engine that never warmed up are not."""
     target, drafter = models
     captured = {}
     for warm in (True, False):

@@ -1,72 +1,93 @@
-"""A compiled round replayed as one CUDA graph that PyTorch captures directly (`torch.cuda.CUDAGraph`).
+"""Compiled rounds replayed as CUDA graphs that PyTorch captures directly (`torch.cuda.CUDAGraph`).
 
 `torch.compile(mode="reduce-overhead")` replays a function through its CUDA-graph trees, whose host work per call
 (guards, a check of every static input's address, copies of the other inputs) measured 0.2-0.5 ms for the 50M
-fixture's round and 0.9-1.3 ms for the Qwen3-4B shape's on an H200 (`benchmarks/results/cuda_graph_replay_h200.json`):
-about the GPU time of a fixture round, so the fixture decoded at the host's pace, and every host read of a 4B round
-left the GPU idle that long. A replay of a captured graph costs 10-40 µs. `GraphedFunction` wraps a compiled
-function (torch.compile's default mode: no graphs of its own) and replays it that way, at the price of checks the
-trees make for their caller: what the graph reads must stay where it was (`reset()` when it moves).
+fixture's batch-1 round and 0.9-1.3 ms for the Qwen3-4B shape's on an H200
+(`benchmarks/results/cuda_graph_replay_h200.json`). That is about the GPU time of a fixture round, and a loop that
+reads the device after a round leaves the GPU idle that long before the next. A replay of a captured graph cost the
+host 9-36 µs there. `GraphedFunction` wraps a compiled function (torch.compile's default mode: no graphs of its own)
+and replays it that way. It skips checks the trees make for their caller, so what its graphs read must stay where it
+was: `reset()` when it moves (`CaptureKey` tells when).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
+WARMUP_CALLS = 2  # calls before a capture: the first compiles, the second runs what the first initialised lazily
+
+
+class _Capture:
+    """One captured graph of a `GraphedFunction`: static copies of the call's tensor arguments, and its outputs."""
+
+    def __init__(self, fn: Callable[..., Any], args: tuple, pool: tuple | None):
+        self.inputs = tuple(arg.clone() if isinstance(arg, torch.Tensor) else arg for arg in args)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.outputs = fn(*self.inputs)
+
+    def replay(self, args: tuple) -> Any:
+        for arg, kept in zip(args, self.inputs):
+            if isinstance(kept, torch.Tensor) and kept.data_ptr() != arg.data_ptr():
+                kept.copy_(arg)
+        self.graph.replay()
+        return self.outputs
+
+
+def signature(args: tuple) -> tuple:
+    """What a capture fixes about a call's arguments: each tensor's shape, dtype and device, any other value itself."""
+    return tuple((tuple(arg.shape), arg.dtype, arg.device) if isinstance(arg, torch.Tensor) else (type(arg), arg)
+                 for arg in args)
+
 
 class GraphedFunction:
-    """`fn(*args)` replayed as one CUDA graph after `warmup` calls.
+    """`fn(*args)` replayed as a CUDA graph, one per argument `signature`, after `warmup` calls of that signature.
 
-    The first `warmup` calls run `fn` on a side stream (the first also compiles it), the next captures it with static
-    copies of its tensor arguments and replays that capture. Later calls copy their tensor arguments into those
-    copies and replay; their result is the captured outputs, which the next call overwrites (clone what must
-    outlive it). A call whose tensor shapes, dtypes or other arguments differ from the capture's is captured anew.
-    Everything else `fn` reads (parameters, caches, state buffers) must keep its address while the graph lives: call
-    `reset()` when it moves. On a `device` other than CUDA, calls run `fn` as it is.
+    The first `warmup` calls of a signature run `fn` on a side stream (the first also compiles it), the next captures
+    it with static copies of its tensor arguments and replays that capture. Later calls of the signature copy their
+    tensor arguments into those copies and replay; their result is the captured outputs, which the next replay
+    overwrites (clone what must outlive it). Everything else `fn` reads (parameters, caches, state buffers) must keep
+    its address while the graphs live: call `reset()` when it moves. On a `device` other than CUDA, calls run `fn` as
+    it is.
+
+    `pool` (`torch.cuda.graph_pool_handle()`) lets several graphs share one memory pool: safe when their replays never
+    overlap and no graph's outputs are read after another graph has run (the outputs themselves stay reserved).
     """
 
-    def __init__(self, fn: Callable[..., Any], device: torch.device | str, warmup: int = 2):
+    def __init__(self, fn: Callable[..., Any], device: torch.device | str, warmup: int = WARMUP_CALLS,
+                 pool: tuple | None = None):
         if warmup < 1:
             raise ValueError(f"warmup must be >= 1 (the compile and lazy initialisations must not happen inside a "
                              f"capture), got {warmup}.")
-        self.fn, self.warmup = fn, warmup
+        self.fn, self.warmup, self.pool = fn, warmup, pool
         self.on_cuda = torch.device(device).type == "cuda"
         self.side_stream = torch.cuda.Stream(device) if self.on_cuda else None
         self.reset()
 
     def reset(self) -> None:
-        """Drops the captured graph; the next `warmup` calls run `fn` directly again (a recompile happens there)."""
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.inputs: tuple = ()
-        self.outputs: Any = None
-        self.warm_calls = 0
+        """Drops every capture; each signature's next `warmup` calls run `fn` directly again (recompiling there)."""
+        self.captures: dict[tuple, _Capture] = {}
+        self.warm_calls: dict[tuple, int] = {}
 
     @property
     def captured(self) -> bool:
-        return self.graph is not None
+        return bool(self.captures)
 
     def __call__(self, *args: Any) -> Any:
         if not self.on_cuda:
             return self.fn(*args)
-        if self.graph is not None and not self._load(args):
-            self.reset()  # (new shapes recompile: in the warm-up, never inside a capture)
-        if self.graph is None:
-            if self.warm_calls < self.warmup:
-                self.warm_calls += 1
+        key = signature(args)
+        capture = self.captures.get(key)
+        if capture is None:
+            if self.warm_calls.get(key, 0) < self.warmup:
+                self.warm_calls[key] = self.warm_calls.get(key, 0) + 1
                 return self._on_side_stream(args)
-            self._capture(args)
-        self.graph.replay()
-        return self.outputs
-
-    def _capture(self, args: tuple) -> None:
-        self.inputs = tuple(arg.clone() if isinstance(arg, torch.Tensor) else arg for arg in args)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self.outputs = self.fn(*self.inputs)
-        self.graph = graph
+            capture = self.captures[key] = _Capture(self.fn, args, self.pool)
+        return capture.replay(args)
 
     def _on_side_stream(self, args: tuple) -> Any:
         """`fn(*args)` on the side stream, after the current stream's work and before its next (the warm-up PyTorch
@@ -78,19 +99,16 @@ class GraphedFunction:
         current.wait_stream(self.side_stream)
         return result
 
-    def _load(self, args: tuple) -> bool:
-        """Copies `args` into the capture's inputs; False when they do not fit it."""
-        if len(args) != len(self.inputs):
-            return False
-        for arg, kept in zip(args, self.inputs):
-            if isinstance(kept, torch.Tensor) != isinstance(arg, torch.Tensor):
-                return False
-            if isinstance(kept, torch.Tensor):
-                if kept.shape != arg.shape or kept.dtype != arg.dtype or kept.device != arg.device:
-                    return False
-            elif kept is not arg and kept != arg:
-                return False
-        for arg, kept in zip(args, self.inputs):
-            if isinstance(kept, torch.Tensor) and kept.data_ptr() != arg.data_ptr():
-                kept.copy_(arg)
-        return True
+
+class CaptureKey:
+    """What captured graphs read besides their own buffers: the models' parameters and buffers (their addresses) and
+    the kernel choices they were traced with. `changed()` tells when graphs captured under the last key must go."""
+
+    def __init__(self):
+        self.key: tuple | None = None
+
+    def changed(self, models: Iterable[torch.nn.Module | None], *choices: object) -> bool:
+        key = choices + tuple(tensor.data_ptr() for model in models if model is not None
+                              for tensor in itertools.chain(model.parameters(), model.buffers()))
+        changed, self.key = key != self.key, key
+        return changed

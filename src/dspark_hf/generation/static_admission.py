@@ -38,8 +38,7 @@ class ChunkedAdmission:
         if not 1 <= rows <= rounds.pad.shape[0]:
             raise ValueError(f"rows must lie in 1..{rounds.pad.shape[0]} (the batch's rows), got {rows}.")
         self.rounds, self.chunk, self.rows = rounds, chunk, rows
-        self.scratch = StaticBatchRounds(rounds.target, rounds.drafter, rows, rounds.capacity,
-                                         rounds.compile_options or False)
+        self.scratch = StaticBatchRounds(rounds.target, rounds.drafter, rows, rounds.capacity, rounds.compile)
         device = rounds.anchor.device
         self.ids = torch.zeros(rows, chunk, dtype=torch.long, device=device)  # the chunk's tokens
         self.first_column = torch.zeros(rows, dtype=torch.long, device=device)  # its first column

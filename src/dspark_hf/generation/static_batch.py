@@ -11,9 +11,11 @@ every round is the same function of the same shapes:
 - a round drafts from each row's previous verify features (the first a_b + 1 of them are context, the attention
   mask hides the rest), runs the Markov loop, the target's forward over [anchor, γ drafts] of every row, the
   acceptance, and moves each row's write positions past its accepted tokens;
-- the rows' state lives in device buffers updated in place, so `compile=True` can capture a round as one CUDA graph
-  (`torch.compile(mode="reduce-overhead")`), one per power-of-two batch bucket; the host reads one record per round
-  (one synchronisation).
+- the rows' state lives in device buffers updated in place, so `compile=True` can capture a round as one CUDA graph,
+  one per power-of-two batch bucket; the host reads one record per round (one synchronisation). On CUDA, rounds that
+  work in place (greedy rounds, sampled plain rounds, the drafter-context flush, admission chunks) are captured
+  directly (`cuda_graphs.GraphedFunction`, whose replay costs the host 10-40 µs against reduce-overhead's 0.2-1.3 ms);
+  a sampled DSpark round, which returns its drafts and scores, runs under `torch.compile(mode="reduce-overhead")`.
 
 Greedy acceptance runs inside the round. Sampling (temperature / top-k / top-p, the same for every row) draws drafts
 by the exponential race on noise drawn before the round, so no generator runs inside it, and verifies them with
@@ -51,9 +53,10 @@ from ..verify import verify
 from ..verify.reference import processed_scores
 from .batched import BatchedDSparkStats, append_rows, padding_token
 from .candidate_generator import DSparkStats
+from .cuda_graphs import CaptureKey, GraphedFunction
 from .speculative_rows import check_batchable_target
 from .static_attention import STATIC_ATTENTION
-from .static_loop import commit, exponential_noise, fast_kernels, fast_path_call, race
+from .static_loop import commit, exponential_noise, fast_kernels, fast_path_call, kernel_choice, race
 from .target_features import check_drafter_fits_target
 
 
@@ -193,23 +196,42 @@ class StaticBatchRounds:
             self.step = self._sampled_plain_round if drafter is None else self._sampled_dspark_round
         else:
             self.step = self._plain_round if drafter is None else self._dspark_round
+        self.compile = compile
         self.compile_options = None
+        # compile=True on CUDA: rounds that work in place replay directly captured graphs (cuda_graphs.py) sharing one
+        # memory pool (one round runs at a time); rounds that return tensors keep reduce-overhead's graph trees
+        self.graph_pool = None
         if compile:
             for buffer in (self.pad, self.anchor, self.column, self.context_column, self.active, self.record,
                            self.drafts):
                 torch._dynamo.mark_static_address(buffer)
             self.compile_options = compile if isinstance(compile, dict) else dict(mode="reduce-overhead",
                                                                                  dynamic=False)
-        self.compiled = self._compiled(self.step)
+            if compile is True and device.type == "cuda":
+                self.graph_pool = torch.cuda.graph_pool_handle()
+        self.compiled = self._compiled(self.step, returns_tensors=do_sample and drafter is not None)
         self._rounds_by_kind: dict[tuple[str, int] | str, Callable] = {}
         self._prefixes: dict[int, StaticBatchRounds] = {}
+        self.capture_key = CaptureKey()
 
-    def _compiled(self, function: Callable) -> Callable:
+    def _compiled(self, function: Callable, returns_tensors: bool = False) -> Callable:
         if self.compile_options is None:
             return function
         # one dynamo entry per round function and shape: a few widths, kinds and row prefixes are more than its default
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+        if self.graph_pool is not None and not returns_tensors:
+            return GraphedFunction(torch.compile(function, dynamic=False), self.target.device, pool=self.graph_pool)
         return torch.compile(function, **self.compile_options)
+
+    def keep_graphs_valid(self, *choices: object) -> None:
+        """Drops every captured graph of these rounds and their prefixes when what they read has moved (parameters
+        or buffers at new addresses) or other kernels were chosen (`choices`); each warms up and captures again."""
+        if self.graph_pool is None or not self.capture_key.changed((self.target, self.drafter), *choices):
+            return
+        for rounds in (self, *self._prefixes.values()):
+            for function in (rounds.compiled, *rounds._rounds_by_kind.values()):
+                if isinstance(function, GraphedFunction):
+                    function.reset()
 
     def prefix(self, rows: int) -> StaticBatchRounds:
         """The rounds of the first `rows` rows alone (after `prefill`): state and caches are views of these, so what
@@ -268,7 +290,8 @@ class StaticBatchRounds:
             raise ValueError(f"verify must be in 0..{self.width - 1}, got {verify}.")
         if (kind, verify) not in self._rounds_by_kind:
             round_ = plain if verify == 0 else functools.partial(drafting, verify=verify)
-            self._rounds_by_kind[kind, verify] = self._compiled(round_)
+            returns_tensors = kind == "sampled" and verify > 0  # (drafts and scores, for `dspark_hf.verify`)
+            self._rounds_by_kind[kind, verify] = self._compiled(round_, returns_tensors)
         return self._rounds_by_kind[kind, verify]
 
     def must_flush(self, verify: int, pending: int) -> bool:
@@ -504,7 +527,8 @@ def static_generate_batch(
     (at most `max_new_tokens`, up to and including its first eos). `drafter=None` decodes plainly. Sampling
     (`do_sample`, with `temperature` / `top_k` / `top_p` for every row) draws drafts by the exponential race on noise
     drawn before each round and verifies them with `dspark_hf.verify` after it; `seed` seeds both. `compile`: True
-    for `torch.compile(mode="reduce-overhead", dynamic=False)` of the round, or a dict of `torch.compile` options.
+    for `torch.compile(dynamic=False)` of the round, replayed as one CUDA graph (see the module docstring), or a dict
+    of `torch.compile` options (used as they are).
     Per-row round statistics go to `drafter.generation_stats` (a `BatchedDSparkStats`). Compiled, the batch is
     padded to the next power of two with copies of the first row that stop at once, so that a graph is captured
     per batch bucket; the rows' draws do not depend on that padding. Caches and the compiled round are kept for the
@@ -536,6 +560,7 @@ def static_generate_batch(
     capacity = input_ids.shape[1] + max_new_tokens + 2 * width
     build = lambda: StaticBatchRounds.for_models(target, drafter, batch, capacity, compile, do_sample)  # noqa: E731
     with fast_kernels(target, drafter, attention, fuse_projections, build) as rounds:
+        rounds.keep_graphs_valid(*kernel_choice(target, attention, fuse_projections))
         return _decode_rows(rounds, input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p,
                             eos_token_id, seed)
 

@@ -26,7 +26,6 @@ compiled graph), so any tapped layer works.
 
 from __future__ import annotations
 
-import itertools
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -54,7 +53,7 @@ from ..verify import triton_available, verify
 from ..verify.reference import processed_scores
 from . import fused_projections
 from .candidate_generator import DSparkStats
-from .cuda_graphs import GraphedFunction
+from .cuda_graphs import CaptureKey, GraphedFunction
 from .policy import resolve_max_drafts, resolve_policy
 from .stateful import check_own_loop_supported
 from .static_attention import using_static_attention
@@ -166,7 +165,7 @@ class StaticRound:
             for buffer in (self.record, self.round_index, self.anchor, self.context_start, self.position):
                 torch._dynamo.mark_static_address(buffer)  # updated in place: CUDA graphs keep their addresses
         self.compiled = self.step
-        self.graph_key: tuple | None = None
+        self.capture_key = CaptureKey()
         if isinstance(compile, dict):
             self.compiled = torch.compile(self.step, **compile)
         elif compile:  # one CUDA graph per round, captured directly (see cuda_graphs.py for why not reduce-overhead)
@@ -176,13 +175,8 @@ class StaticRound:
         """Drops the captured round graph when what it reads has moved since the capture (parameters or buffers at
         new addresses: the models were moved, their projections fused anew) or other kernels were chosen
         (`choices`); the next rounds warm up and capture again."""
-        if not isinstance(self.compiled, GraphedFunction):
-            return
-        models = [model for model in (self.target, self.drafter) if model is not None]
-        key = choices + tuple(tensor.data_ptr() for model in models
-                              for tensor in itertools.chain(model.parameters(), model.buffers()))
-        if key != self.graph_key:
-            self.graph_key = key
+        if isinstance(self.compiled, GraphedFunction) and self.capture_key.changed((self.target, self.drafter),
+                                                                                    *choices):
             self.compiled.reset()
 
     # ------------------------------------------------------------------ DSpark rounds
@@ -391,7 +385,8 @@ def static_generate(
 
     `drafter=None` decodes plainly on the static cache. `eos_token_id` defaults to the target's generation config.
     `compile`: True for `torch.compile(dynamic=False)` of the round, replayed as one CUDA graph on a GPU
-    (`cuda_graphs.GraphedFunction`), or a dict of `torch.compile` options (used as they are: no graph of ours). `seed` seeds the draft sampling and verification noise. Round statistics go to
+    (`cuda_graphs.GraphedFunction`), or a dict of `torch.compile` options (used as they are: no graph of ours).
+    `seed` seeds the draft sampling and verification noise. Round statistics go to
     `drafter.generation_stats` (as in `generate()`; a round is one function, so its whole wall-clock time is in
     `verify_seconds` and `draft_seconds` are 0; the device is not synchronised for them). `attention`: "auto" runs
     target and drafter attention with the static-cache Triton kernel on CUDA (`static_attention.py`) and the models'

@@ -28,6 +28,7 @@ from ..models import DSparkDraftModel
 from ..scheduling import RoundWidthChooser
 from ..tensor_ops import argmax_last
 from ..verify import verify as verify_drafts
+from .cuda_graphs import WARMUP_CALLS as GRAPH_WARMUP_CALLS
 from .profiling import RoundProfiler
 from .speculative_rows import Row, left_padded
 from .static_admission import ChunkedAdmission
@@ -36,7 +37,9 @@ from .static_loop import exponential_noise, fast_kernels, kernel_choice, kernels
 
 
 PENDING_ROUNDS = 4  # the drafter's pending context holds 4 (γ + 1) features: plain rounds flush it 4x less often
-WARM_UP_CALLS = 2  # `warm_up` runs each graph twice: compiled, the first call compiles and the second captures it
+# `warm_up` runs each graph this often: the warm-up calls of a directly captured graph (the first compiles), then its
+# capture (cuda_graphs.py); reduce-overhead's graph trees compile on the first call and capture on the second
+WARM_UP_CALLS = GRAPH_WARMUP_CALLS + 1
 
 
 class StaticRows:
@@ -207,10 +210,10 @@ class StaticRows:
     @torch.no_grad()
     def warm_up(self, widths: Iterable[int] | None = None, sampled: bool = False, progress: bool = False) -> int:
         """Runs, before the first request, every graph that rounds verifying `widths` drafts (default: the policy's)
-        can run, twice: per row prefix, each width's greedy round, with `sampled` its two sampled rounds (with and
-        without top-k / top-p), the flush when plain rounds are among `widths`, and the admission chunk. With
-        `compile`, the first call compiles and the second captures the CUDA graph, so that served rounds only replay
-        graphs and the chooser times them from the first (on the H200 a round's first capture took 2-4x its time).
+        can run, `WARM_UP_CALLS` times: per row prefix, each width's greedy round, with `sampled` its two sampled rounds
+        (with and without top-k / top-p), the flush when plain rounds are among `widths`, and the admission chunk.
+        With `compile`, these calls compile and capture the CUDA graphs, so that served rounds only replay graphs and
+        the chooser times them from the first (on the H200 a round's first capture took 2-4x its time).
         The rounds run on free rows, whose results are dropped. Returns the number of graphs run."""
         if self.rows:
             raise RuntimeError("warm_up() runs before the first request.")

@@ -409,7 +409,7 @@ class DSparkEngine:
                 freeze_gc: bool = True) -> int:
         """Static engine: before the first request, runs each round graph that rounds verifying `widths` drafts
         (default: the policy's) can need, per row prefix, greedy (and with `sampled`, sampled), the flush and the
-        admission chunk, twice (`StaticRows.warm_up`), so that with `static_compile` no compilation or CUDA graph
+        admission chunk, as often as compiling and capturing it takes (`StaticRows.warm_up`), so that with `static_compile` no compilation or CUDA graph
         capture stalls serving later.
         Returns the number of graphs run; the eager engine has none (0).
 
