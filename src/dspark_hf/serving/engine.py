@@ -409,8 +409,8 @@ class DSparkEngine:
                 freeze_gc: bool = True) -> int:
         """Static engine: before the first request, runs each round graph that rounds verifying `widths` drafts
         (default: the policy's) can need, per row prefix, greedy (and with `sampled`, sampled), the flush and the
-        admission chunk, as often as compiling and capturing it takes (`StaticRows.warm_up`), so that with `static_compile` no compilation or CUDA graph
-        capture stalls serving later.
+        admission chunk, as often as compiling and capturing it takes (`StaticRows.warm_up`), so that with
+        `static_compile` no compilation or CUDA graph capture stalls serving later.
         Returns the number of graphs run; the eager engine has none (0).
 
         With `freeze_gc` (default), every object alive afterwards is moved out of the garbage collector's reach
