@@ -1,7 +1,8 @@
 """`GraphedFunction`: a compiled round replayed as one directly captured CUDA graph (the static loop's `compile=True`).
 
-Off CUDA it calls the function as it is; `StaticRound` drops its captured round when the models' tensors move or
-other kernels are chosen. The CUDA tests (skipped without a GPU; run on the GPU machine with the benchmarks) check
+Off CUDA it calls the function as it is; its dispatch (warm-up calls, one capture per argument signature, replays,
+`reset()`) is checked on the CPU with the capture faked; `StaticRound` drops its captured round when the models'
+tensors move or other kernels are chosen. The CUDA tests (skipped without a GPU; run on the GPU machine with the benchmarks) check
 that replays run the captured work without calling the function, copy arguments in, keep one capture per argument
 signature; that `static_generate(compile=True)` on the GPU equals plain `generate()` (float32), also after the
 weights moved; and that `static_generate_batch` and `DSparkEngine(static=True)` on the GPU equal solo decoding with
@@ -10,12 +11,15 @@ their graphs captured.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from test_static_loop import EOS, VOCAB_SIZE, drafters, plain
 from tiny_models import make_bigram_like, tiny_target
 
 from dspark_hf.generation import static_generate
+from dspark_hf.generation import cuda_graphs
 from dspark_hf.generation.cuda_graphs import GraphedFunction, signature
 from dspark_hf.generation.static_loop import StaticRound
 
@@ -44,6 +48,62 @@ def test_off_cuda_every_call_runs_the_function():
 def test_warmup_must_be_positive():
     with pytest.raises(ValueError, match="warmup must be >= 1"):
         GraphedFunction(lambda: None, "cpu", warmup=0)
+
+
+class FakeCapture:
+    """Stands in for `cuda_graphs._Capture` on the CPU: a replay copies the arguments into the capture's inputs and
+    runs the function on them, writing its result into the outputs the capture returned first (as a graph replay
+    writes into its output buffers)."""
+
+    made: list[FakeCapture] = []
+
+    def __init__(self, fn, args, pool):
+        self.fn, self.pool, self.replays = fn, pool, 0
+        self.inputs = tuple(arg.clone() if isinstance(arg, torch.Tensor) else arg for arg in args)
+        self.outputs = None
+        FakeCapture.made.append(self)
+
+    def replay(self, args):
+        for arg, kept in zip(args, self.inputs):
+            if isinstance(kept, torch.Tensor):
+                kept.copy_(arg)
+        result = self.fn(*self.inputs)
+        if self.outputs is None:
+            self.outputs = result
+        elif result is not None:
+            self.outputs.copy_(result)
+        self.replays += 1
+        return self.outputs
+
+
+class FakeStream:
+    def wait_stream(self, other):
+        pass
+
+
+def test_calls_warm_up_capture_and_replay_per_signature(monkeypatch):
+    """The dispatch, with the capture faked on the CPU: `warmup` direct calls per argument signature (on the side
+    stream), then one capture each, replayed for every later call of that signature; `reset()` starts over."""
+    monkeypatch.setattr(cuda_graphs, "_Capture", FakeCapture)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: FakeStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    FakeCapture.made.clear()
+    fn = Counted(lambda x, bias: x * 2 if bias is None else x * 2 + bias)
+    graphed = GraphedFunction(fn, "cpu", warmup=2, pool="pool")
+    graphed.on_cuda, graphed.side_stream = True, FakeStream()  # (what a CUDA device would set)
+    x, bias = torch.arange(3.0), torch.ones(3)
+    for step in range(4):
+        assert torch.equal(graphed(x + step, None), (x + step) * 2)
+    assert fn.calls == 4 and len(FakeCapture.made) == 1 and FakeCapture.made[0].replays == 2
+    for step in range(3):  # another signature (a tensor where None was): its own warm-up and capture
+        assert torch.equal(graphed(x + step, bias), (x + step) * 2 + 1)
+    assert len(FakeCapture.made) == 2 and FakeCapture.made[1].pool == "pool"
+    first = graphed(x, None)
+    assert first is graphed(x + 1, None) and torch.equal(first, (x + 1) * 2)  # the capture's outputs, rewritten
+    assert len(FakeCapture.made) == 2 and graphed.warm_calls == {signature((x, None)): 2, signature((x, bias)): 2}
+    graphed.reset()
+    graphed(x, None)
+    assert not graphed.captured and graphed.warm_calls == {signature((x, None)): 1}
 
 
 def test_static_round_drops_its_graph_when_what_it_reads_moves():
