@@ -1,12 +1,12 @@
-"""`GraphedFunction`: a compiled round replayed as one directly captured CUDA graph (the static loop's `compile=True`).
+"""`GraphedFunction`: compiled rounds replayed as directly captured CUDA graphs (`compile=True` of the fast paths).
 
 Off CUDA it calls the function as it is; its dispatch (warm-up calls, one capture per argument signature, replays,
 `reset()`) is checked on the CPU with the capture faked; `StaticRound` drops its captured round when the models'
-tensors move or other kernels are chosen. The CUDA tests (skipped without a GPU; run on the GPU machine with the benchmarks) check
-that replays run the captured work without calling the function, copy arguments in, keep one capture per argument
-signature; that `static_generate(compile=True)` on the GPU equals plain `generate()` (float32), also after the
-weights moved; and that `static_generate_batch` and `DSparkEngine(static=True)` on the GPU equal solo decoding with
-their graphs captured.
+tensors move or other kernels are chosen. The CUDA tests (skipped without a GPU; run on the GPU machine with the
+benchmarks) check that replays run the captured work without calling the function, copy arguments in and keep one
+capture per argument signature; that `static_generate(compile=True)` on the GPU equals plain `generate()` (float32),
+also after the weights moved; and that `static_generate_batch` and `DSparkEngine(static=True)` on the GPU equal solo
+decoding with their graphs captured.
 """
 
 from __future__ import annotations
