@@ -1,4 +1,5 @@
-"""`GraphedFunction`: compiled rounds replayed as directly captured CUDA graphs (`compile=True` of the fast paths).
+"""`GraphedFunction`: compiled rounds replayed as directly captured CUDA graphs (`compile=True` of the fast paths
+with `DSPARK_CUDA_GRAPHS=direct`, opt-in).
 
 Off CUDA it calls the function as it is; its dispatch (warm-up calls, one capture per argument signature, replays,
 `reset()`) is checked on the CPU with the capture faked; `StaticRound` drops its captured round when the models'
@@ -24,6 +25,12 @@ from dspark_hf.generation.cuda_graphs import GraphedFunction, signature
 from dspark_hf.generation.static_loop import StaticRound
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture
+def direct(monkeypatch):
+    """`compile=True` replays direct graphs (`DSPARK_CUDA_GRAPHS=direct`; the default is reduce-overhead's trees)."""
+    monkeypatch.setenv(cuda_graphs.GRAPHS_VARIABLE, "direct")
 
 
 class Counted:
@@ -106,7 +113,20 @@ def test_calls_warm_up_capture_and_replay_per_signature(monkeypatch):
     assert not graphed.captured and graphed.warm_calls == {signature((x, None)): 1}
 
 
-def test_static_round_drops_its_graph_when_what_it_reads_moves():
+def test_direct_graphs_are_opt_in(monkeypatch):
+    target = tiny_target("qwen3", vocab_size=VOCAB_SIZE, eos_token_id=EOS)
+    monkeypatch.delenv(cuda_graphs.GRAPHS_VARIABLE, raising=False)
+    assert not isinstance(StaticRound(target, None, 32, compile=True, do_sample=False).compiled, GraphedFunction)
+    monkeypatch.setenv(cuda_graphs.GRAPHS_VARIABLE, "direct")
+    assert isinstance(StaticRound(target, None, 32, compile=True, do_sample=False).compiled, GraphedFunction)
+    assert not isinstance(StaticRound(target, None, 32, compile=dict(dynamic=False), do_sample=False).compiled,
+                          GraphedFunction)  # options are used as given
+    monkeypatch.setenv(cuda_graphs.GRAPHS_VARIABLE, "graphs")
+    with pytest.raises(ValueError, match="DSPARK_CUDA_GRAPHS must be 'trees' or 'direct'"):
+        StaticRound(target, None, 32, compile=True, do_sample=False)
+
+
+def test_static_round_drops_its_graph_when_what_it_reads_moves(direct):
     """The validity key: the kernel choices and every parameter's and buffer's address; and the features buffer."""
     target = tiny_target("qwen3", vocab_size=VOCAB_SIZE, eos_token_id=EOS)
     drafter = drafters(target)["random"]
@@ -181,7 +201,7 @@ def test_arguments_are_copied_in_and_each_signature_has_its_own_capture():
 
 @cuda
 @pytest.mark.parametrize("with_drafter", [True, False], ids=["dspark", "plain"])
-def test_static_generate_on_cuda_replays_one_graph_and_equals_plain_generate(with_drafter):
+def test_static_generate_on_cuda_replays_one_graph_and_equals_plain_generate(with_drafter, direct):
     target = make_bigram_like(tiny_target("qwen3", vocab_size=VOCAB_SIZE, eos_token_id=EOS))
     drafter = drafters(target)["good"].cuda() if with_drafter else None  # (built from the target on the CPU)
     target.cuda()
@@ -201,7 +221,7 @@ def test_static_generate_on_cuda_replays_one_graph_and_equals_plain_generate(wit
 
 @cuda
 @pytest.mark.parametrize("with_drafter", [True, False], ids=["dspark", "plain"])
-def test_sampling_on_cuda_draws_the_same_tokens_replayed_and_eager(with_drafter):
+def test_sampling_on_cuda_draws_the_same_tokens_replayed_and_eager(with_drafter, direct):
     """Sampled rounds take their noise and settings as arguments: copied into the capture's inputs each round."""
     target = tiny_target("qwen3", vocab_size=VOCAB_SIZE, eos_token_id=EOS)
     drafter = drafters(target)["random"].cuda() if with_drafter else None
@@ -220,7 +240,7 @@ def cuda_solo(target, prompt: list[int], max_new_tokens: int) -> list[int]:
 
 
 @cuda
-def test_static_generate_batch_on_cuda_replays_direct_graphs_and_equals_solo_generate():
+def test_static_generate_batch_on_cuda_replays_direct_graphs_and_equals_solo_generate(direct):
     """Greedy rounds work in place: directly captured graphs sharing one pool; every row equals its solo decoding."""
     from test_batched_generate import left_padded
 
@@ -241,7 +261,7 @@ def test_static_generate_batch_on_cuda_replays_direct_graphs_and_equals_solo_gen
 
 
 @cuda
-def test_static_engine_on_cuda_serves_exactly_with_direct_graphs():
+def test_static_engine_on_cuda_serves_exactly_with_direct_graphs(direct):
     """`DSparkEngine(static=True)` on the GPU: warm_up captures the greedy rounds of each width and prefix, the flush
     and the admission chunk; served greedy requests equal their solo decoding; sampled requests run (their DSpark
     rounds under reduce-overhead's trees, which return the drafts and scores)."""

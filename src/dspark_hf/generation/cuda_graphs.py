@@ -13,12 +13,23 @@ was: `reset()` when it moves (`CaptureKey` tells when).
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
 WARMUP_CALLS = 2  # calls before a capture: the first compiles, the second runs what the first initialised lazily
+GRAPHS_VARIABLE = "DSPARK_CUDA_GRAPHS"
+
+
+def direct_graphs_enabled() -> bool:
+    """Whether `compile=True` on CUDA replays rounds through `GraphedFunction` (`DSPARK_CUDA_GRAPHS=direct`) or through
+    reduce-overhead's graph trees (`trees`, the default until the direct path has been checked on a GPU end to end)."""
+    value = os.environ.get(GRAPHS_VARIABLE, "trees")
+    if value not in ("trees", "direct"):
+        raise ValueError(f"{GRAPHS_VARIABLE} must be 'trees' or 'direct', got {value!r}.")
+    return value == "direct"
 
 
 class _Capture:

@@ -12,10 +12,11 @@ every round is the same function of the same shapes:
   mask hides the rest), runs the Markov loop, the target's forward over [anchor, γ drafts] of every row, the
   acceptance, and moves each row's write positions past its accepted tokens;
 - the rows' state lives in device buffers updated in place, so `compile=True` can capture a round as one CUDA graph,
-  one per power-of-two batch bucket; the host reads one record per round (one synchronisation). On CUDA, rounds that
-  work in place (greedy rounds, sampled plain rounds, the drafter-context flush, admission chunks) are captured
-  directly (`cuda_graphs.GraphedFunction`, whose replay costs the host 10-40 µs against reduce-overhead's 0.2-1.3 ms);
-  a sampled DSpark round, which returns its drafts and scores, runs under `torch.compile(mode="reduce-overhead")`.
+  one per power-of-two batch bucket (`torch.compile(mode="reduce-overhead")`); the host reads one record per round
+  (one synchronisation). With `DSPARK_CUDA_GRAPHS=direct` (experimental), rounds that work in place on CUDA (greedy
+  rounds, sampled plain rounds, the drafter-context flush, admission chunks) are captured directly instead
+  (`cuda_graphs.GraphedFunction`, whose replay costs the host 10-40 µs against the trees' 0.2-1.3 ms); a sampled
+  DSpark round, which returns its drafts and scores, stays on the trees.
 
 Greedy acceptance runs inside the round. Sampling (temperature / top-k / top-p, the same for every row) draws drafts
 by the exponential race on noise drawn before the round, so no generator runs inside it, and verifies them with
@@ -53,7 +54,7 @@ from ..verify import verify
 from ..verify.reference import processed_scores
 from .batched import BatchedDSparkStats, append_rows, padding_token
 from .candidate_generator import DSparkStats
-from .cuda_graphs import CaptureKey, GraphedFunction
+from .cuda_graphs import CaptureKey, GraphedFunction, direct_graphs_enabled
 from .speculative_rows import check_batchable_target
 from .static_attention import STATIC_ATTENTION
 from .static_loop import commit, exponential_noise, fast_kernels, fast_path_call, kernel_choice, race
@@ -198,8 +199,8 @@ class StaticBatchRounds:
             self.step = self._plain_round if drafter is None else self._dspark_round
         self.compile = compile
         self.compile_options = None
-        # compile=True on CUDA: rounds that work in place replay directly captured graphs (cuda_graphs.py) sharing one
-        # memory pool (one round runs at a time); rounds that return tensors keep reduce-overhead's graph trees
+        # compile=True on CUDA with DSPARK_CUDA_GRAPHS=direct: rounds that work in place replay directly captured
+        # graphs (cuda_graphs.py) sharing one memory pool (one round runs at a time); the others keep the graph trees
         self.graph_pool = None
         if compile:
             for buffer in (self.pad, self.anchor, self.column, self.context_column, self.active, self.record,
@@ -207,7 +208,7 @@ class StaticBatchRounds:
                 torch._dynamo.mark_static_address(buffer)
             self.compile_options = compile if isinstance(compile, dict) else dict(mode="reduce-overhead",
                                                                                  dynamic=False)
-            if compile is True and device.type == "cuda":
+            if compile is True and device.type == "cuda" and direct_graphs_enabled():
                 self.graph_pool = torch.cuda.graph_pool_handle()
         self.compiled = self._compiled(self.step, returns_tensors=do_sample and drafter is not None)
         self._rounds_by_kind: dict[tuple[str, int] | str, Callable] = {}
@@ -527,8 +528,8 @@ def static_generate_batch(
     (at most `max_new_tokens`, up to and including its first eos). `drafter=None` decodes plainly. Sampling
     (`do_sample`, with `temperature` / `top_k` / `top_p` for every row) draws drafts by the exponential race on noise
     drawn before each round and verifies them with `dspark_hf.verify` after it; `seed` seeds both. `compile`: True
-    for `torch.compile(dynamic=False)` of the round, replayed as one CUDA graph (see the module docstring), or a dict
-    of `torch.compile` options (used as they are).
+    for `torch.compile(mode="reduce-overhead", dynamic=False)` of the round (or direct CUDA graphs: see the module
+    docstring), or a dict of `torch.compile` options (used as they are).
     Per-row round statistics go to `drafter.generation_stats` (a `BatchedDSparkStats`). Compiled, the batch is
     padded to the next power of two with copies of the first row that stop at once, so that a graph is captured
     per batch bucket; the rows' draws do not depend on that padding. Caches and the compiled round are kept for the
