@@ -110,12 +110,13 @@
 #     c = 256 finished): serving_static_code50m_overlap_trial_*.
 # Twenty-seventh session (main 0022b8c): `python benchmarks/cuda_graph_replay.py --model code50m qwen3-4b-shape` in
 #     its first form (cuda_graph_replay_h200.json: reduce-overhead's trees cost the host 0.2-1.3 ms per round call,
-#     a direct capture 9-36 us). The session's GPU time ran out (a device call was lost) before the branch
-#     direct-cuda-graphs could be tested or timed.
-# Next: the branch direct-cuda-graphs (in-place rounds replay directly captured graphs, in the engine too): first
-#     `python -m pytest -n 0 tests/test_cuda_graphs.py` on the GPU, then round_speed.py --model code50m and
-#     qwen3-4b-shape, then this script's code50m and 4B commands against the key-bounds results (an engine round reads
-#     the device after every round, so the trees' host time was on every round); merge if exact and faster.
+#     a direct capture 9-36 us). The session's GPU time ran out (a device call was lost) before the direct graphs
+#     (cuda_graphs.py, merged opt-in: DSPARK_CUDA_GRAPHS=direct) could be tested or timed.
+# Next: direct CUDA graphs (in-place rounds, in the engine too): first `python -m pytest -n 0 tests/test_cuda_graphs.py`
+#     on the GPU, then round_speed.py --model code50m and qwen3-4b-shape (carry the 10M assistant fixture too) with
+#     and without DSPARK_CUDA_GRAPHS=direct, then this script's code50m and 4B commands with it, against the
+#     key-bounds results (an engine round reads the device after every round, so the trees' host time was on every
+#     round); make it the default if exact and faster.
 #     Then: why hardware-aware's plain rounds at code50m's c = 256 cost more than no speculation's (medians 1.29-1.45
 #     against 1.22-1.34 ms, stalls of 53-91 ms); the branch overlapped-rounds once its chooser times a round's period
 #     (device end to device end, or the host's step when longer) instead of the device alone, measured with
