@@ -22,6 +22,7 @@ from tiny_models import make_bigram_like, tiny_target
 from dspark_hf.generation import static_generate
 from dspark_hf.generation import cuda_graphs
 from dspark_hf.generation.cuda_graphs import GraphedFunction, signature
+from dspark_hf.generation.static_batch import StaticBatchRounds
 from dspark_hf.generation.static_loop import StaticRound
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -117,8 +118,10 @@ def test_direct_graphs_are_opt_in(monkeypatch):
     target = tiny_target("qwen3", vocab_size=VOCAB_SIZE, eos_token_id=EOS)
     monkeypatch.delenv(cuda_graphs.GRAPHS_VARIABLE, raising=False)
     assert not isinstance(StaticRound(target, None, 32, compile=True, do_sample=False).compiled, GraphedFunction)
+    assert not isinstance(StaticBatchRounds(target, None, 2, 32, compile=True).compiled, GraphedFunction)
     monkeypatch.setenv(cuda_graphs.GRAPHS_VARIABLE, "direct")
     assert isinstance(StaticRound(target, None, 32, compile=True, do_sample=False).compiled, GraphedFunction)
+    assert isinstance(StaticBatchRounds(target, None, 2, 32, compile=True).compiled, GraphedFunction)
     assert not isinstance(StaticRound(target, None, 32, compile=dict(dynamic=False), do_sample=False).compiled,
                           GraphedFunction)  # options are used as given
     monkeypatch.setenv(cuda_graphs.GRAPHS_VARIABLE, "graphs")
@@ -244,7 +247,7 @@ def test_static_generate_batch_on_cuda_replays_direct_graphs_and_equals_solo_gen
     """Greedy rounds work in place: directly captured graphs sharing one pool; every row equals its solo decoding."""
     from test_batched_generate import left_padded
 
-    from dspark_hf.generation.static_batch import StaticBatchRounds, static_generate_batch
+    from dspark_hf.generation.static_batch import static_generate_batch
 
     target = make_bigram_like(tiny_target("qwen3", vocab_size=VOCAB_SIZE, eos_token_id=EOS))
     oracle = drafters(target)["good"].cuda()

@@ -32,6 +32,23 @@ def direct_graphs_enabled() -> bool:
     return value == "direct"
 
 
+def direct_graphs(compile: bool | dict) -> bool:
+    """Whether a fast path's `compile` argument gets `GraphedFunction`s: True (not a dict of options) with
+    `DSPARK_CUDA_GRAPHS=direct` (off CUDA they call the compiled function as it is)."""
+    return compile is True and direct_graphs_enabled()
+
+
+def compiled_round(fn: Callable[..., Any], compile: bool | dict, device: torch.device | str,
+                   pool: tuple | None = None, graphed: bool = True) -> Callable[..., Any]:
+    """`fn` compiled as a fast path's `compile` argument asks: a dict of `torch.compile` options as given; True: a
+    `GraphedFunction` where `direct_graphs` holds (and `graphed`), else reduce-overhead's graph trees."""
+    if isinstance(compile, dict):
+        return torch.compile(fn, **compile)
+    if graphed and direct_graphs(compile):
+        return GraphedFunction(torch.compile(fn, dynamic=False), device, pool=pool)
+    return torch.compile(fn, mode="reduce-overhead", dynamic=False)
+
+
 class _Capture:
     """One captured graph of a `GraphedFunction`: static copies of the call's tensor arguments, and its outputs."""
 
@@ -123,3 +140,11 @@ class CaptureKey:
                               for tensor in itertools.chain(model.parameters(), model.buffers()))
         changed, self.key = key != self.key, key
         return changed
+
+    def reset_if_moved(self, functions: Iterable[Callable[..., Any] | None],
+                       models: Iterable[torch.nn.Module | None], *choices: object) -> None:
+        """Resets the `GraphedFunction`s among `functions` when the key `changed` (only computed when there are)."""
+        graphed = [function for function in functions if isinstance(function, GraphedFunction)]
+        if graphed and self.changed(models, *choices):
+            for function in graphed:
+                function.reset()

@@ -44,7 +44,7 @@ class ChunkedAdmission:
         self.first_column = torch.zeros(rows, dtype=torch.long, device=device)  # its first column
         self.last_logits: torch.Tensor | None = None  # [rows, V]: the last chunk's last logits (float32)
         self.tail: torch.Tensor | None = None  # [rows, γ + 1, K·H]: the last chunk's last γ + 1 target features
-        if rounds.compile_options is not None:
+        if rounds.compile:
             for buffer in (self.ids, self.first_column):
                 torch._dynamo.mark_static_address(buffer)
         self._forward = self.scratch._compiled(self._chunk_forward)
@@ -73,7 +73,7 @@ class ChunkedAdmission:
             self.last_logits = logits[:, -1].clone()
             if features is not None:
                 self.tail = features[:, -scratch.width:].clone()
-            if scratch.compile_options is not None:
+            if scratch.compile:
                 for buffer in (self.last_logits, self.tail):
                     if buffer is not None:
                         torch._dynamo.mark_static_address(buffer)

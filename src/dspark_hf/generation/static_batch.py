@@ -54,7 +54,7 @@ from ..verify import verify
 from ..verify.reference import processed_scores
 from .batched import BatchedDSparkStats, append_rows, padding_token
 from .candidate_generator import DSparkStats
-from .cuda_graphs import CaptureKey, GraphedFunction, direct_graphs_enabled
+from .cuda_graphs import CaptureKey, compiled_round, direct_graphs
 from .speculative_rows import check_batchable_target
 from .static_attention import STATIC_ATTENTION
 from .static_loop import commit, exponential_noise, fast_kernels, fast_path_call, kernel_choice, race
@@ -198,41 +198,32 @@ class StaticBatchRounds:
         else:
             self.step = self._plain_round if drafter is None else self._dspark_round
         self.compile = compile
-        self.compile_options = None
-        # compile=True on CUDA with DSPARK_CUDA_GRAPHS=direct: rounds that work in place replay directly captured
-        # graphs (cuda_graphs.py) sharing one memory pool (one round runs at a time); the others keep the graph trees
-        self.graph_pool = None
         if compile:
             for buffer in (self.pad, self.anchor, self.column, self.context_column, self.active, self.record,
                            self.drafts):
                 torch._dynamo.mark_static_address(buffer)
-            self.compile_options = compile if isinstance(compile, dict) else dict(mode="reduce-overhead",
-                                                                                 dynamic=False)
-            if compile is True and device.type == "cuda" and direct_graphs_enabled():
-                self.graph_pool = torch.cuda.graph_pool_handle()
+        # with direct graphs (cuda_graphs.py), the rounds that work in place share one memory pool (one round runs at
+        # a time); the others keep the graph trees
+        self.graph_pool = (torch.cuda.graph_pool_handle() if direct_graphs(compile) and device.type == "cuda"
+                           else None)
         self.compiled = self._compiled(self.step, returns_tensors=do_sample and drafter is not None)
         self._rounds_by_kind: dict[tuple[str, int] | str, Callable] = {}
         self._prefixes: dict[int, StaticBatchRounds] = {}
         self.capture_key = CaptureKey()
 
     def _compiled(self, function: Callable, returns_tensors: bool = False) -> Callable:
-        if self.compile_options is None:
+        if not self.compile:
             return function
         # one dynamo entry per round function and shape: a few widths, kinds and row prefixes are more than its default
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
-        if self.graph_pool is not None and not returns_tensors:
-            return GraphedFunction(torch.compile(function, dynamic=False), self.target.device, pool=self.graph_pool)
-        return torch.compile(function, **self.compile_options)
+        return compiled_round(function, self.compile, self.target.device, self.graph_pool, graphed=not returns_tensors)
 
     def keep_graphs_valid(self, *choices: object) -> None:
         """Drops every captured graph of these rounds and their prefixes when what they read has moved (parameters
         or buffers at new addresses) or other kernels were chosen (`choices`); each warms up and captures again."""
-        if self.graph_pool is None or not self.capture_key.changed((self.target, self.drafter), *choices):
-            return
-        for rounds in (self, *self._prefixes.values()):
-            for function in (rounds.compiled, *rounds._rounds_by_kind.values()):
-                if isinstance(function, GraphedFunction):
-                    function.reset()
+        functions = [function for rounds in (self, *self._prefixes.values())
+                     for function in (rounds.compiled, *rounds._rounds_by_kind.values())]
+        self.capture_key.reset_if_moved(functions, (self.target, self.drafter), *choices)
 
     def prefix(self, rows: int) -> StaticBatchRounds:
         """The rounds of the first `rows` rows alone (after `prefill`): state and caches are views of these, so what
@@ -247,7 +238,7 @@ class StaticBatchRounds:
                 tensor = getattr(self, name)
                 if tensor is not None:
                     setattr(view, name, tensor[:rows])
-                    if self.compile_options is not None:
+                    if self.compile:
                         torch._dynamo.mark_static_address(getattr(view, name))
             view.target_cache = self.target_cache.prefix(rows)
             view.drafter_cache = self.drafter_cache.prefix(rows) if self.drafter_cache is not None else None
@@ -265,7 +256,7 @@ class StaticBatchRounds:
             raise RuntimeError("replay_acceptance() needs a drafter and must come before any round or prefix.")
         if self.replayed_acceptance is None:
             self.replayed_acceptance = torch.zeros_like(self.pad)
-            if self.compile_options is not None:
+            if self.compile:
                 torch._dynamo.mark_static_address(self.replayed_acceptance)
         return self.replayed_acceptance
 

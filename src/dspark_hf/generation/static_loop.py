@@ -54,7 +54,7 @@ from ..verify import triton_available, verify
 from ..verify.reference import processed_scores
 from . import fused_projections
 from .candidate_generator import DSparkStats
-from .cuda_graphs import CaptureKey, GraphedFunction, direct_graphs_enabled
+from .cuda_graphs import CaptureKey, GraphedFunction, compiled_round
 from .policy import resolve_max_drafts, resolve_policy
 from .stateful import check_own_loop_supported
 from .static_attention import using_static_attention
@@ -165,22 +165,14 @@ class StaticRound:
             self.features = None  # [1, γ + 1, K·H], allocated by start_greedy (the tap decides width and dtype)
             for buffer in (self.record, self.round_index, self.anchor, self.context_start, self.position):
                 torch._dynamo.mark_static_address(buffer)  # updated in place: CUDA graphs keep their addresses
-        self.compiled = self.step
+        self.compiled = compiled_round(self.step, compile, target.device) if compile else self.step
         self.capture_key = CaptureKey()
-        if isinstance(compile, dict):
-            self.compiled = torch.compile(self.step, **compile)
-        elif compile and direct_graphs_enabled():  # one graph per round, captured directly (see cuda_graphs.py)
-            self.compiled = GraphedFunction(torch.compile(self.step, dynamic=False), target.device)
-        elif compile:
-            self.compiled = torch.compile(self.step, mode="reduce-overhead", dynamic=False)
 
     def keep_graph_valid(self, *choices: object) -> None:
         """Drops the captured round graph when what it reads has moved since the capture (parameters or buffers at
         new addresses: the models were moved, their projections fused anew) or other kernels were chosen
         (`choices`); the next rounds warm up and capture again."""
-        if isinstance(self.compiled, GraphedFunction) and self.capture_key.changed((self.target, self.drafter),
-                                                                                    *choices):
-            self.compiled.reset()
+        self.capture_key.reset_if_moved([self.compiled], (self.target, self.drafter), *choices)
 
     # ------------------------------------------------------------------ DSpark rounds
     # A greedy round's stages: draft_backbone, the drafter's draft_tokens (Markov loop), verify_forward,
