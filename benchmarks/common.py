@@ -6,6 +6,7 @@ import atexit
 import gzip
 import hashlib
 import json
+import os
 import platform
 import shutil
 import subprocess
@@ -28,9 +29,10 @@ def environment() -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "platform": platform.platform(),
-        "cpu_count": __import__("os").cpu_count(),
+        "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "cuda_graphs": os.environ.get("DSPARK_CUDA_GRAPHS", "trees"),  # dspark_hf.generation.cuda_graphs
     }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)

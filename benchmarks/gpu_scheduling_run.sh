@@ -3,10 +3,7 @@
 # trained code50m drafter. Usage on the device machine: bash benchmarks/gpu_scheduling_run.sh  (writes into $OUT)
 set -euo pipefail
 export PYTHONPATH=src
-mkdir -p ../shared/fixtures ../shared/data/humaneval
-cp -r carry_sched/code-llama-50m ../shared/fixtures/ && cp carry_sched/materialize.py ../shared/fixtures/
-xz -d ../shared/fixtures/code-llama-50m/*.xz  # carried compressed (the per-call carry limit is 64 MiB)
-cp carry_sched/HumanEval.jsonl.gz ../shared/data/humaneval/
+bash benchmarks/carry.sh unpack  # carry: carry_sched, from `bash benchmarks/carry.sh pack`
 nvidia-smi --query-gpu=name,memory.total --format=csv
 python benchmarks/sps_profile.py --model code50m --dtype bfloat16
 python benchmarks/sps_profile.py --model qwen3-4b-shape --dtype bfloat16

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Device call(s) for the serving issue. Usage on the device machine (carry: carry_sched = the 50M fixture xz-compressed,
-# materialize.py and HumanEval.jsonl.gz):
+# Device call(s) for the serving issue. Usage on the device machine (carry: carry_sched, from `bash benchmarks/carry.sh
+# pack`):
 #     bash benchmarks/gpu_serving_run.sh [benchmarks/serving.py arguments]
 # One model's policies can be split over several calls; results accumulate in benchmarks/results/serving_h200.json,
 # so copy $OUT's files into benchmarks/results/ between calls (the next call carries them in the working tree).
@@ -125,16 +125,7 @@
 set -uo pipefail
 # SERVING_TIMEOUT=S stops the benchmark after S seconds (results are saved after every concurrency); 0: no limit.
 export PYTHONPATH=${DSPARK_SRC:-src}
-if [ -d carry_sched ] && [ ! -d ../shared/fixtures/code-llama-50m ]; then  # (code50m only)
-    mkdir -p ../shared/fixtures ../shared/data/humaneval
-    cp -r carry_sched/code-llama-50m ../shared/fixtures/ && cp carry_sched/materialize.py ../shared/fixtures/
-    xz -d ../shared/fixtures/code-llama-50m/*.xz  # carried compressed (the per-call carry limit is 64 MiB)
-    cp carry_sched/HumanEval.jsonl.gz ../shared/data/humaneval/
-fi
-if [ -d carry_sched ] && [ ! -f drafters/code50m-dspark/model.safetensors ]; then  # carried compressed too
-    mkdir -p drafters/code50m-dspark && cp carry_sched/code50m-dspark/config.json drafters/code50m-dspark/
-    xz -dc carry_sched/code50m-dspark/model.safetensors.xz > drafters/code50m-dspark/model.safetensors
-fi
+[ -d carry_sched ] && bash benchmarks/carry.sh unpack  # (code50m only; carry_sched from `carry.sh pack`)
 nvidia-smi --query-gpu=name,memory.total --format=csv
 timeout "${SERVING_TIMEOUT:-0}" python benchmarks/serving.py "$@" 2>&1 | grep -v Warning | tee "$OUT"/serving.log  # kept as benchmarks/results/serving_<model>_h200.log
 cp benchmarks/results/serving_h200.json benchmarks/results/serving_h200.png "$OUT"/ 2>/dev/null || true
