@@ -13,11 +13,18 @@ over `--processes` fresh processes (a shared machine's speed varies from process
 
 times the hardware-aware `RoundWidthChooser` alone instead: µs per round of `choose` + `record` at 1, 16 and 256 rows
 (widths 0, 1, 3, 7; width 7 the fastest; accepted drafts ~ Exponential(0.5), capped), the best of 5 × 20000 rounds.
+
+    PYTHONPATH=src python benchmarks/engine_host_cpu.py --gc --rows 256
+
+measures the garbage collector instead (`collector_pauses`): four stubbed engines serve four runs of 4 × `--rows`
+requests each in turn, as the serving benchmark's static cells do, and the pauses within them come back with the
+time of one full collection afterwards.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import json
 import random
@@ -33,11 +40,11 @@ from dspark_hf.scheduling import RoundWidthChooser
 from dspark_hf.serving import DSparkEngine
 
 
-def host_ms_per_round(rows: int, rounds: int, repeats: int, on_engine=None) -> float:
-    """The best ms per round; `on_engine` (tests) receives the engine afterwards."""
-    target, drafter, _ = tiny_models()
-    engine = DSparkEngine(target, drafter, max_batch_size=rows, max_model_len=64 + 8 * rounds * (repeats + 1),
-                          static=True, policy="fixed", default_sampling={"temperature": 0})
+def stubbed_engine(target, drafter, rows: int, max_model_len: int) -> DSparkEngine:
+    """A warmed-up static engine (fixed γ = 7) whose greedy rounds copy prerecorded rounds into the record instead
+    of running the models (admission still prefills for real)."""
+    engine = DSparkEngine(target, drafter, max_batch_size=rows, max_model_len=max_model_len, static=True,
+                          policy="fixed", default_sampling={"temperature": 0})
     engine.warm_up(progress=False)
     generator = torch.Generator().manual_seed(0)
     record = engine.runner.rounds.record
@@ -55,6 +62,13 @@ def host_ms_per_round(rows: int, rounds: int, repeats: int, on_engine=None) -> f
     engine.runner.rounds.greedy_round = stub
     for view in engine.runner.rounds._prefixes.values():
         view.greedy_round = stub
+    return engine
+
+
+def host_ms_per_round(rows: int, rounds: int, repeats: int, on_engine=None) -> float:
+    """The best ms per round; `on_engine` (tests) receives the engine afterwards."""
+    target, drafter, _ = tiny_models()
+    engine = stubbed_engine(target, drafter, rows, 64 + 8 * rounds * (repeats + 1))
     for index in range(rows):
         engine.add_request([4 + index % 90] * 12, max_tokens=8 * rounds * (repeats + 1))
     engine.step()  # admits every request
@@ -67,6 +81,50 @@ def host_ms_per_round(rows: int, rounds: int, repeats: int, on_engine=None) -> f
     if on_engine is not None:
         on_engine(engine)
     return 1e3 * best
+
+
+def collector_pauses(rows: int, engines: int = 4, runs: int = 4, prompt_tokens: int = 150, new_tokens: int = 64
+                     ) -> dict:
+    """The garbage collector's pauses while `engines` stubbed engines of `rows` rows serve `runs` runs in turn, as
+    benchmarks/serving.py's static cells do: each run queues 4 × `rows` requests per engine (prompts of
+    `prompt_tokens`, `new_tokens` each) and keeps their handles until the next run queues its own. Returns the pauses
+    (ms and count by generation), the rounds, then the objects the collector still tracks apart from the frozen
+    start-up heap and the time of one full collection over them."""
+    target, drafter, _ = tiny_models()
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, 96, (prompt_tokens,), generator=generator).tolist() for _ in range(16)]
+    served = [stubbed_engine(target, drafter, rows, prompt_tokens + new_tokens + 16) for _ in range(engines)]
+    pauses: dict[int, list[float]] = {}
+    started = [0.0]
+
+    def on_collection(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+            return
+        entry = pauses.setdefault(info["generation"], [0, 0.0])
+        entry[0] += 1
+        entry[1] += 1e3 * (time.perf_counter() - started[0])
+
+    gc.callbacks.append(on_collection)
+    rounds = 0
+    try:
+        for _ in range(runs):
+            handles = [[engine.add_request(prompts[index % len(prompts)], max_tokens=new_tokens, ignore_eos=True)
+                        for index in range(4 * rows)] for engine in served]
+            while any(engine.has_unfinished() for engine in served):
+                for engine in served:
+                    rounds += engine.step()
+    finally:
+        gc.callbacks.remove(on_collection)
+    assert all(len(handle.tokens) == new_tokens for run in handles for handle in run)
+    tracked = len(gc.get_objects())
+    collection = time.perf_counter()
+    gc.collect()
+    return dict(rows=rows, engines=engines, runs=runs, rounds=rounds,
+                pauses={f"gen{generation}": dict(count=count, ms=round(ms, 2))
+                        for generation, (count, ms) in sorted(pauses.items())},
+                pause_ms=round(sum(ms for _, ms in pauses.values()), 2), tracked_after=tracked,
+                full_collection_ms=round(1e3 * (time.perf_counter() - collection), 2))
 
 
 def chooser_us_per_round(rows: int, rounds: int = 20000, repeats: int = 5) -> float:
@@ -91,7 +149,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=8)
     parser.add_argument("--processes", type=int, default=3, help="0: this process only")
     parser.add_argument("--chooser", action="store_true", help="time RoundWidthChooser alone (see above)")
+    parser.add_argument("--gc", action="store_true", help="the garbage collector's pauses while serving (see above)")
     args = parser.parse_args()
+    if args.gc:
+        print(json.dumps(collector_pauses(args.rows)))
+        return
     if args.chooser:
         for rows in (1, 16, 256):
             print(f"RoundWidthChooser, rows {rows}: {chooser_us_per_round(rows):.1f} us per round")

@@ -251,6 +251,16 @@ def test_engine_host_benchmark_times_stubbed_rounds_that_commit_tokens():
     assert engine.requests and all(len(request.tokens) > 6 for request in engine.requests.values())  # 1 + 6 rounds
 
 
+def test_engine_host_benchmark_reports_the_collectors_pauses_while_serving():
+    """benchmarks/engine_host_cpu.py --gc: stubbed engines serve every request in full, and the collector's pauses,
+    the objects it still tracks and one full collection's time come back."""
+    engine_host = pytest.importorskip("engine_host_cpu")
+    result = engine_host.collector_pauses(rows=4, engines=2, runs=2, prompt_tokens=6, new_tokens=10)
+    assert result["rounds"] >= 2 * 2 * 4  # per engine and run: 16 requests of 10 tokens, 4 rows at a time
+    assert result["pause_ms"] == pytest.approx(sum(entry["ms"] for entry in result["pauses"].values()), abs=0.05)
+    assert result["tracked_after"] > 0 and result["full_collection_ms"] >= 0
+
+
 def test_paired_summary_divides_each_repeat_by_the_same_repeat_of_the_others():
     """Repeat k of hardware-aware over the best static policy's repeat k and over no speculation's; the summary is
     the smallest median over concurrencies. A concurrency whose policies ran different numbers of repeats is left

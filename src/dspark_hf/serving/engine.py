@@ -92,7 +92,7 @@ class RequestSampler:
                       top_k=top_k, top_p=top_p, seeds=seeds.to(device))
 
 
-ROUND_LOG_ROUNDS = 16384  # rounds `DSparkEngine.round_log` keeps (one dict with two lists of batch size per round)
+ROUND_LOG_ROUNDS = 16384  # rounds `DSparkEngine.round_log` keeps (one dict with two tuples of batch size per round)
 STATIC_WIDTHS = (0, 1, 3)  # with the drafter's γ: the numbers of verified drafts the static hardware-aware policy
 # chooses among (one compiled graph each)
 
@@ -388,9 +388,10 @@ class DSparkEngine:
             committed = self.runner.step()
             state = self.runner.state
             now = time.perf_counter()
-            self.round_log.append(dict(batch=len(rows), admitted=len(admitted),
-                                       verify=[row.drafted[-1] for row in rows],
-                                       accepted=[row.accepted[-1] for row in rows],
+            # Tuples of ints (and then their dict) leave the garbage collector's lists: a full log of lists at 256
+            # rows cost every full collection 70-130 ms on the development CPU, of tuples 0.1 ms.
+            verify, accepted = tuple([row.drafted[-1] for row in rows]), tuple([row.accepted[-1] for row in rows])
+            self.round_log.append(dict(batch=len(rows), admitted=len(admitted), verify=verify, accepted=accepted,
                                        speculative=self.runner.drafted_last_round, width=state.width,
                                        holes=state.hole_fraction(), seconds=now - started,
                                        admit_seconds=admitted_at - started, step_seconds=now - admitted_at,
