@@ -6,8 +6,8 @@ Off CUDA it calls the function as it is; its dispatch (warm-up calls, one captur
 tensors move or other kernels are chosen. The CUDA tests (skipped without a GPU; run on the GPU machine with the
 benchmarks) check that replays run the captured work without calling the function, copy arguments in and keep one
 capture per argument signature; that `static_generate(compile=True)` on the GPU equals plain `generate()` (float32),
-also after the weights moved; and that `static_generate_batch` and `DSparkEngine(static=True)` on the GPU equal solo
-decoding with their graphs captured.
+also after the weights moved; that `static_generate_batch` and `DSparkEngine(static=True)` on the GPU equal solo
+decoding with their graphs captured; and that the engine's sampled rounds, replayed, draw what its eager rounds draw.
 """
 
 from __future__ import annotations
@@ -122,6 +122,9 @@ def test_direct_graphs_are_opt_in(monkeypatch):
     monkeypatch.setenv(cuda_graphs.GRAPHS_VARIABLE, "direct")
     assert isinstance(StaticRound(target, None, 32, compile=True, do_sample=False).compiled, GraphedFunction)
     assert isinstance(StaticBatchRounds(target, None, 2, 32, compile=True).compiled, GraphedFunction)
+    sampled = StaticBatchRounds(target, drafters(target)["random"], 2, 32, compile=True, do_sample=True)
+    assert all(isinstance(function, GraphedFunction) for function in (  # (drafts and scores: captured outputs)
+        sampled.compiled, sampled.sampled_round(0), sampled.sampled_round(2), sampled.greedy_round(2)))
     assert not isinstance(StaticRound(target, None, 32, compile=dict(dynamic=False), do_sample=False).compiled,
                           GraphedFunction)  # options are used as given
     monkeypatch.setenv(cuda_graphs.GRAPHS_VARIABLE, "graphs")
@@ -266,8 +269,7 @@ def test_static_generate_batch_on_cuda_replays_direct_graphs_and_equals_solo_gen
 @cuda
 def test_static_engine_on_cuda_serves_exactly_with_direct_graphs(direct):
     """`DSparkEngine(static=True)` on the GPU: warm_up captures the greedy rounds of each width and prefix, the flush
-    and the admission chunk; served greedy requests equal their solo decoding; sampled requests run (their DSpark
-    rounds under reduce-overhead's trees, which return the drafts and scores)."""
+    and the admission chunk; served greedy requests equal their solo decoding; sampled requests run."""
     import random
 
     from dspark_hf import DSparkEngine
@@ -290,3 +292,31 @@ def test_static_engine_on_cuda_serves_exactly_with_direct_graphs(direct):
     for handle in handles:
         assert handle.tokens == cuda_solo(target, handle.prompt_ids, handle.params.max_tokens)
     assert all(len(handle.tokens) == 20 for handle in sampled)
+
+
+@cuda
+def test_static_engine_sampled_rounds_on_direct_graphs_draw_as_eager_rounds(direct):
+    """A sampled DSpark round replayed from its capture returns the capture's drafts and scores, which verification and
+    `advance` read before the next replay: the engine draws the same tokens as with its rounds run eagerly (one seed,
+    the same requests, the generator re-seeded after warm-up, which runs the graphs a different number of times)."""
+    from dspark_hf import DSparkEngine
+
+    target = tiny_target("qwen3", vocab_size=VOCAB_SIZE, eos_token_id=EOS)
+    drafter = drafters(target)["random"].cuda()  # (random drafts: rejections and resampling every round)
+    target.cuda()
+    gamma = drafter.config.num_draft_slots
+    tokens = {}
+    for compiled in (False, True):
+        engine = DSparkEngine(target, drafter, max_batch_size=4, max_model_len=96, static=True, policy="fixed",
+                              static_compile=compiled, default_sampling={"temperature": 0.9, "top_k": 20})
+        engine.warm_up(sampled=True, progress=False, freeze_gc=False)
+        engine.generator.manual_seed(3)
+        handles = [engine.add_request(prompt, max_tokens=24, ignore_eos=True)
+                   for prompt in ([5, 6, 7], list(range(4, 16)), [9, 30, 11], [12, 13], [40, 41, 42, 43])]
+        engine.run()
+        tokens[compiled] = [handle.tokens for handle in handles]
+    rounds = engine.runner.rounds
+    replayed = [view._rounds_by_kind["sampled", gamma] for view in (rounds, *rounds._prefixes.values())
+                if ("sampled", gamma) in view._rounds_by_kind]  # (top-k rows: the same function, other arguments)
+    assert replayed and all(isinstance(function, GraphedFunction) and function.captured for function in replayed)
+    assert tokens[True] == tokens[False]

@@ -39,12 +39,12 @@ def direct_graphs(compile: bool | dict) -> bool:
 
 
 def compiled_round(fn: Callable[..., Any], compile: bool | dict, device: torch.device | str,
-                   pool: tuple | None = None, graphed: bool = True) -> Callable[..., Any]:
+                   pool: tuple | None = None) -> Callable[..., Any]:
     """`fn` compiled as a fast path's `compile` argument asks: a dict of `torch.compile` options as given; True: a
-    `GraphedFunction` where `direct_graphs` holds (and `graphed`), else reduce-overhead's graph trees."""
+    `GraphedFunction` where `direct_graphs` holds, else reduce-overhead's graph trees."""
     if isinstance(compile, dict):
         return torch.compile(fn, **compile)
-    if graphed and direct_graphs(compile):
+    if direct_graphs(compile):
         return GraphedFunction(torch.compile(fn, dynamic=False), device, pool=pool)
     return torch.compile(fn, mode="reduce-overhead", dynamic=False)
 

@@ -13,10 +13,10 @@ every round is the same function of the same shapes:
   acceptance, and moves each row's write positions past its accepted tokens;
 - the rows' state lives in device buffers updated in place, so `compile=True` can capture a round as one CUDA graph,
   one per power-of-two batch bucket (`torch.compile(mode="reduce-overhead")`); the host reads one record per round
-  (one synchronisation). With `DSPARK_CUDA_GRAPHS=direct` (experimental), rounds that work in place on CUDA (greedy
-  rounds, sampled plain rounds, the drafter-context flush, admission chunks) are captured directly instead
-  (`cuda_graphs.GraphedFunction`, whose replay costs the host 10-40 µs against the trees' 0.2-1.3 ms); a sampled
-  DSpark round, which returns its drafts and scores, stays on the trees.
+  (one synchronisation). With `DSPARK_CUDA_GRAPHS=direct` (experimental), every round is captured directly instead
+  (`cuda_graphs.GraphedFunction`, whose replay costs the host 10-40 µs against the trees' 0.2-1.3 ms), the rows'
+  graphs sharing one memory pool; a sampled DSpark round returns its captured drafts and scores, which verification
+  and `advance` read before the next replay.
 
 Greedy acceptance runs inside the round. Sampling (temperature / top-k / top-p, the same for every row) draws drafts
 by the exponential race on noise drawn before the round, so no generator runs inside it, and verifies them with
@@ -202,21 +202,21 @@ class StaticBatchRounds:
             for buffer in (self.pad, self.anchor, self.column, self.context_column, self.active, self.record,
                            self.drafts):
                 torch._dynamo.mark_static_address(buffer)
-        # with direct graphs (cuda_graphs.py), the rounds that work in place share one memory pool (one round runs at
-        # a time); the others keep the graph trees
+        # with direct graphs (cuda_graphs.py), the rounds share one memory pool (one round runs at a time, and what a
+        # sampled DSpark round returns is read before the next one)
         self.graph_pool = (torch.cuda.graph_pool_handle() if direct_graphs(compile) and device.type == "cuda"
                            else None)
-        self.compiled = self._compiled(self.step, returns_tensors=do_sample and drafter is not None)
+        self.compiled = self._compiled(self.step)
         self._rounds_by_kind: dict[tuple[str, int] | str, Callable] = {}
         self._prefixes: dict[int, StaticBatchRounds] = {}
         self.capture_key = CaptureKey()
 
-    def _compiled(self, function: Callable, returns_tensors: bool = False) -> Callable:
+    def _compiled(self, function: Callable) -> Callable:
         if not self.compile:
             return function
         # one dynamo entry per round function and shape: a few widths, kinds and row prefixes are more than its default
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
-        return compiled_round(function, self.compile, self.target.device, self.graph_pool, graphed=not returns_tensors)
+        return compiled_round(function, self.compile, self.target.device, self.graph_pool)
 
     def keep_graphs_valid(self, *choices: object) -> None:
         """Drops every captured graph of these rounds and their prefixes when what they read has moved (parameters
@@ -282,8 +282,7 @@ class StaticBatchRounds:
             raise ValueError(f"verify must be in 0..{self.width - 1}, got {verify}.")
         if (kind, verify) not in self._rounds_by_kind:
             round_ = plain if verify == 0 else functools.partial(drafting, verify=verify)
-            returns_tensors = kind == "sampled" and verify > 0  # (drafts and scores, for `dspark_hf.verify`)
-            self._rounds_by_kind[kind, verify] = self._compiled(round_, returns_tensors)
+            self._rounds_by_kind[kind, verify] = self._compiled(round_)
         return self._rounds_by_kind[kind, verify]
 
     def must_flush(self, verify: int, pending: int) -> bool:
