@@ -21,6 +21,7 @@ from transformers import PreTrainedModel
 from ..devices import synchronize
 from ..models import DSparkDraftModel
 from ..models.modeling import greedy_selector
+from .cuda_graphs import compiled_round
 from .static_loop import StaticRound, fast_path, start_dspark_rounds
 
 # `RoundProfiler`'s parts that the fast path has (it has no scheduler: its γ is fixed), in round order
@@ -91,9 +92,9 @@ class _SplitRound:
                       bookkeeping=self._bookkeeping)
         self.stages = stages
         self.run()
-        if compile:
-            options = compile if isinstance(compile, dict) else dict(mode="reduce-overhead", dynamic=False)
-            self.stages = {name: torch.compile(fn, **options) for name, fn in stages.items()}
+        if compile:  # (direct graphs or the trees, as `DSPARK_CUDA_GRAPHS` has the fused round run)
+            device = rounds.target.device
+            self.stages = {name: compiled_round(fn, compile, device) for name, fn in stages.items()}
 
     def _keep(self, **tensors: torch.Tensor) -> None:
         for name, tensor in tensors.items():
