@@ -112,16 +112,23 @@
 #     its first form (cuda_graph_replay_h200.json: reduce-overhead's trees cost the host 0.2-1.3 ms per round call,
 #     a direct capture 9-36 us). The session's GPU time ran out (a device call was lost) before the direct graphs
 #     (cuda_graphs.py, merged opt-in: DSPARK_CUDA_GRAPHS=direct) could be tested or timed.
-# Next: direct CUDA graphs (in-place rounds, in the engine too): first `python -m pytest -n 0 tests/test_cuda_graphs.py`
-#     on the GPU, then round_speed.py --model code50m and qwen3-4b-shape (carry the 10M assistant fixture too) with
-#     and without DSPARK_CUDA_GRAPHS=direct, then this script's code50m and 4B commands with it, against the
-#     key-bounds results (an engine round reads the device after every round, so the trees' host time was on every
-#     round); make it the default if exact and faster.
+# Twenty-eighth session: no GPU was lent. The engine's requests and round log stopped growing the garbage
+#     collector's work per round (library ec6b8ff; development CPU: engine_host_cpu.py --gc, pauses 746 -> 124 ms in
+#     a four-engine 256-row replay), the static batch's sampled DSpark rounds replay direct graphs too (opt-in), and
+#     benchmarks/carry.sh packs the carry (run `bash benchmarks/carry.sh pack` first: a new checkout has no carry_sched).
+# Next (one call each, carry_sched; move demo_models/, drafters/ and benchmarks/results/ aside first):
+#     1. `bash benchmarks/gpu_round_run.sh tests` (tests/test_cuda_graphs.py on the GPU, direct graphs);
+#     2. `bash benchmarks/gpu_round_run.sh code50m trees` and `... code50m direct`, then the same for qwen3-4b-shape;
+#     3. this script's code50m command at c = 256 64 16 with the current library (the collector's fix, trees), against
+#        serving_static_code50m_key_bounds_h200.json (gc_ms 105 / 50 ms in hardware-aware's runs at c = 256 / 64),
+#        then with DSPARK_CUDA_GRAPHS=direct; consider --requests-per-slot 16 (the runs last 0.4-1.0 s and spread
+#        by up to 40 %; the four engines' warm-up, 8-38 s each, costs more than the runs);
+#     4. the 4B command with the flag; make direct graphs the default if exact and faster.
 #     Then: why hardware-aware's plain rounds at code50m's c = 256 cost more than no speculation's (medians 1.29-1.45
-#     against 1.22-1.34 ms, stalls of 53-91 ms); the branch overlapped-rounds once its chooser times a round's period
-#     (device end to device end, or the host's step when longer) instead of the device alone, measured with
-#     --sequential (interleaved, an overlapped engine waits on the other engine's queued round); the concurrencies not
-#     yet run with "auto" (code50m c = 1, 2, 4, 8, 32, 128; the 4B shape c = 1, 2, 4, 16, 32, 64, 256).
+#     against 1.22-1.34 ms); the overlapped-rounds idea once its chooser times a round's period (device end to
+#     device end, or the host's step when longer) instead of the device alone, measured with --sequential; the
+#     concurrencies not yet run with "auto" (code50m c = 1, 2, 4, 8, 32, 128; the 4B shape c = 1, 2, 4, 16, 32, 64,
+#     256).
 set -uo pipefail
 # SERVING_TIMEOUT=S stops the benchmark after S seconds (results are saved after every concurrency); 0: no limit.
 export PYTHONPATH=${DSPARK_SRC:-src}
