@@ -42,6 +42,20 @@ def test_cudnn_moves_last_and_everything_is_restored(cudnn_first):
     assert (flags(), priority()) == (before_flags, before_order)
 
 
+def test_the_order_is_the_one_sdpa_kernel_would_set_and_nesting_changes_nothing(cudnn_first):
+    """`decoding_attention` sets torch's priority order itself (cheaper than `sdpa_kernel`, which also saves and sets
+    every backend's flag); the order is the one `sdpa_kernel(enabled, set_priority=True)` sets."""
+    from dspark_hf.attention_backends import _PREFERRED, _enabled
+
+    with sdpa_kernel([backend for backend in _PREFERRED if _enabled(backend)], set_priority=True):
+        expected = priority()
+    with dspark_hf.decoding_attention():
+        assert priority() == expected
+        with dspark_hf.decoding_attention():
+            assert priority() == expected
+        assert priority() == expected
+
+
 def test_environment_switch_keeps_torch_order(cudnn_first, monkeypatch):
     monkeypatch.setenv("DSPARK_KEEP_SDPA_ORDER", "1")
     with dspark_hf.decoding_attention():
