@@ -343,10 +343,12 @@ class StaticRows:
             row, entry = owner[index], record[index]
             accepted = entry[0]
             tokens = entry[1: accepted + 2]
-            remaining = row.max_new - (len(row.ids) - row.prompt_len)
+            ids = row.ids
+            remaining = row.max_new - len(ids) + row.prompt_len
             row.drafted.append(verify)  # (the round's width; drafts past the row's budget are verified, not used)
-            row.accepted.append(min(accepted, max(remaining - 1, 0)))  # as the eager rows count them
-            row.ids.extend(tokens)
+            # as the eager rows count them: min(accepted, max(remaining - 1, 0))
+            row.accepted.append(accepted if accepted < remaining else remaining - 1 if remaining > 0 else 0)
+            ids += tokens
             committed.append(tokens)
             accepted_drafts.append(accepted)
             pending[index] = pending[index] + 1 if verify == 0 else accepted + 1
