@@ -266,6 +266,17 @@ def test_finished_requests_and_the_round_log_hold_no_per_round_containers(models
         gc.enable()
 
 
+def test_a_stream_left_mid_round_resumes_where_it_stopped(models):
+    """Rounds commit several tokens at once; a stream abandoned after some of them, and a new one, together yield each
+    token once."""
+    target, drafter = models
+    engine = DSparkEngine(target, drafter, max_batch_size=2, policy="fixed", default_sampling={"temperature": 0})
+    handle = engine.add_request([5, 9, 11], max_tokens=30)
+    first = list(itertools.islice(handle.stream(), 3))
+    assert len(handle.tokens) > 3  # (the first round committed more than the stream took)
+    assert first + list(handle.stream()) == handle.tokens == solo(target, [5, 9, 11], 30)
+
+
 def test_bad_requests_are_refused_without_disturbing_others(models):
     target, drafter = models
     engine = DSparkEngine(target, drafter, max_model_len=64, default_sampling={"temperature": 0})

@@ -149,8 +149,9 @@ class Request:
             end = self._queue.get()
             if end is _END:
                 return
-            yield from self.tokens[self._streamed:end]
-            self._streamed = end
+            while self._streamed < end:  # (one at a time: a stream left mid-round resumes where it stopped)
+                self._streamed += 1
+                yield self.tokens[self._streamed - 1]
 
     def result(self) -> RequestOutput:
         """Waits for the request to finish (driving the engine when it has no background loop)."""
