@@ -37,7 +37,8 @@ class SamplingParams:
         """Validated parameters from keyword arguments over `defaults`; raises ValueError naming the problem."""
         unknown = sorted(set(arguments) - set(SAMPLING_ARGUMENTS))
         if unknown:
-            raise ValueError(f"Unknown sampling argument(s) {unknown}; DSparkEngine accepts {list(SAMPLING_ARGUMENTS)}.")
+            raise ValueError(f"Unknown sampling argument(s) {unknown}; "
+                             f"DSparkEngine accepts {list(SAMPLING_ARGUMENTS)}.")
         values = {**defaults, **{k: v for k, v in arguments.items() if v is not None}}
         if "max_new_tokens" in values:
             values["max_tokens"] = values.pop("max_new_tokens")
