@@ -287,8 +287,19 @@ def first_difference_share(tokens: torch.Tensor, reference: torch.Tensor) -> flo
     return (int(differ[0, 0]) if differ.numel() else n) / max(1, reference.numel())
 
 
-def measure(target, drafter, prompt, new_tokens: int, assistant=None) -> dict:
-    """Batch 1: one row per method (tokens/s, ms per token; τ, rounds and ms per round where known)."""
+def selected(methods: dict, only: set[str] | None) -> dict:
+    """The methods named in `only` (all when None) and plain_eager, the reference every row is compared with."""
+    if only is None:
+        return methods
+    unknown = only - set(methods)
+    if unknown:
+        raise SystemExit(f"--methods: no method {sorted(unknown)} here; there are {sorted(methods)}")
+    return {name: method for name, method in methods.items() if name in only or name == "plain_eager"}
+
+
+def measure(target, drafter, prompt, new_tokens: int, assistant=None, only: set[str] | None = None) -> dict:
+    """Batch 1: one row per method (tokens/s, ms per token; τ, rounds and ms per round where known); `only`: the
+    methods to run (plain_eager, the reference for `matched_plain`, always runs)."""
     device = target.device
     fixed = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
     methods = {
@@ -305,6 +316,7 @@ def measure(target, drafter, prompt, new_tokens: int, assistant=None) -> dict:
     }
     if assistant is not None:
         methods["assisted_10m"] = lambda: target.generate(prompt, assistant_model=assistant, **fixed)
+    methods = selected(methods, only)
     counted = {"prompt_lookup", "assisted_10m"}  # transformers' loops: τ from the target's forward count
     rows, outputs = {}, {}
     for name, method in methods.items():
@@ -355,9 +367,9 @@ def assistant_settings(assistant) -> dict:
                 sklearn_installed=importlib.util.find_spec("sklearn") is not None)
 
 
-def measure_batch(target, drafter, prompts: list[list[int]], new_tokens: int) -> dict:
+def measure_batch(target, drafter, prompts: list[list[int]], new_tokens: int, only: set[str] | None = None) -> dict:
     """Batch B = len(prompts) > 1: plain batched generate() (eager, static + compile) and our engine with and
-    without speculation, every request exactly `new_tokens` greedy tokens."""
+    without speculation, every request exactly `new_tokens` greedy tokens (`only` as for `measure`)."""
     device, batch = target.device, len(prompts)
     pad = pad_id(target)
     ids, mask = left_pad(prompts, pad, device)
@@ -394,6 +406,7 @@ def measure_batch(target, drafter, prompts: list[list[int]], new_tokens: int) ->
         "dspark_static_compiled": static_batch(drafter, True),
         "dspark_static_refill_compiled": static_batch(drafter, True, repeat=2),
     }
+    methods = selected(methods, only)
     rows, outputs = {}, {}
     for name, method in methods.items():
         output, seconds, _ = run(method, device)
@@ -499,6 +512,8 @@ def main() -> None:
                              "top-level layout, batch B > 1 goes to entry['batch_B']")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's; smoke: 1, its tiny "
                                                      "models only contend for a loaded CPU)")
+    parser.add_argument("--methods", nargs="+", help="run only these methods (and plain_eager, the reference); "
+                                                      "default: all")
     parser.add_argument("--out", help="JSON path (default benchmarks/results/round_speed_h200.json; smoke: temp dir)")
     args = parser.parse_args()
     if args.threads or args.model == "smoke":
@@ -509,6 +524,7 @@ def main() -> None:
     out = Path(args.out) if args.out else (Path(tempfile.mkdtemp(prefix="round-speed-")) / "round_speed_smoke.json"
                                            if args.model == "smoke" else RESULTS / "round_speed_h200.json")
     target, drafter, prompt = models(args.model, dtype, args.device, args.new_tokens)
+    only = set(args.methods) if args.methods else None
     common = dict(environment=environment(), dtype=str(dtype).removeprefix("torch."), new_tokens=args.new_tokens,
                   gamma=drafter.config.num_draft_slots, **weight_read_floor(target),
                   acceptance="real" if args.model == "code50m" else "random weights: timing only (tau ~ 1)")
@@ -518,13 +534,13 @@ def main() -> None:
         if batch == 1:
             entry.update(common, prompt_tokens=prompt.shape[1], not_measured=not_measured(args.model, 1),
                          methods=measure(target, drafter, prompt, args.new_tokens,
-                                         assistant_model(args.model, dtype, target.device)))
+                                         assistant_model(args.model, dtype, target.device), only))
         else:
             prompts = batch_prompts(args.model, target, prompt, batch, args.new_tokens)
             entry[f"batch_{batch}"] = dict(common, batch=batch, prompt_tokens=[len(p) for p in prompts],
                                            distinct_prompts=len({tuple(p) for p in prompts}),
                                            not_measured=not_measured(args.model, batch),
-                                           methods=measure_batch(target, drafter, prompts, args.new_tokens))
+                                           methods=measure_batch(target, drafter, prompts, args.new_tokens, only))
     payload = json.loads(out.read_text()) if out.exists() else dict(benchmark="round_speed", models={})
     if 1 in args.batch:  # a batch-1 run replaces the batch-1 fields; other batch sizes' entries are kept
         previous = payload["models"].get(args.model, {})
