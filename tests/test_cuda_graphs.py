@@ -272,7 +272,7 @@ def test_static_engine_on_cuda_serves_exactly_with_direct_graphs(direct):
     and the admission chunk; served greedy requests equal their solo decoding; sampled requests run."""
     import random
 
-    from dspark_hf import DSparkEngine
+    from dspark_hf.serving import DSparkEngine
 
     target = make_bigram_like(tiny_target("qwen3", vocab_size=VOCAB_SIZE, eos_token_id=EOS))
     drafter = drafters(target)["good"].cuda()
@@ -299,7 +299,7 @@ def test_static_engine_sampled_rounds_on_direct_graphs_draw_as_eager_rounds(dire
     """A sampled DSpark round replayed from its capture returns the capture's drafts and scores, which verification and
     `advance` read before the next replay: the engine draws the same tokens as with its rounds run eagerly (one seed,
     the same requests, the generator re-seeded after warm-up, which runs the graphs a different number of times)."""
-    from dspark_hf import DSparkEngine
+    from dspark_hf.serving import DSparkEngine
 
     target = tiny_target("qwen3", vocab_size=VOCAB_SIZE, eos_token_id=EOS)
     drafter = drafters(target)["random"].cuda()  # (random drafts: rejections and resampling every round)
