@@ -162,6 +162,42 @@ def test_static_round_drops_its_graph_when_what_it_reads_moves(direct):
     assert graphed.warm_calls == warmed  # the same buffer, refilled
 
 
+def test_static_engine_drops_its_graphs_when_the_models_moved_while_it_was_idle(direct, monkeypatch):
+    """`DSparkEngine(static=True)`: every round and the admission chunk are direct graphs; their captures go when a
+    parameter moves, and the check runs when requests arrive at an idle batch (not per round, nor while busy)."""
+    from dspark_hf.serving import DSparkEngine
+
+    target = tiny_target("qwen3", vocab_size=VOCAB_SIZE, eos_token_id=EOS)
+    drafter = drafters(target)["random"]
+    engine = DSparkEngine(target, drafter, max_batch_size=2, max_model_len=48, static=True, static_compile=True,
+                          policy="fixed")
+    runner = engine.runner
+    graphed = [runner.rounds.compiled, runner.rounds.greedy_round(2), runner.admission.compiled_chunk]
+    assert all(isinstance(function, GraphedFunction) for function in graphed)
+    warmed = {(): 2}  # as if captured (a capture needs CUDA)
+    runner.keep_graphs_valid()
+    for function in graphed:
+        function.warm_calls = dict(warmed)
+    runner.keep_graphs_valid()
+    assert all(function.warm_calls == warmed for function in graphed)  # nothing moved
+    parameter = next(target.parameters())
+    parameter.data = parameter.data.clone()
+    runner.keep_graphs_valid()
+    assert all(function.warm_calls == {} for function in graphed)
+
+    checks = []  # (an engine with eager rounds, which the CPU runs)
+    engine = DSparkEngine(target, drafter, max_batch_size=2, max_model_len=48, static=True, policy="fixed")
+    monkeypatch.setattr(engine.runner, "keep_graphs_valid", lambda: checks.append(len(engine.runner.rows)))
+    first = engine.add_request([5, 6, 7], max_tokens=40, ignore_eos=True)
+    engine.step()
+    assert not first.finished
+    engine.add_request([5, 6], max_tokens=6)  # arrives at a busy batch: no check
+    engine.run()
+    engine.add_request([7, 8], max_tokens=4)  # idle again
+    engine.run()
+    assert checks == [0, 0]
+
+
 def test_signature_fixes_tensor_shapes_and_other_values():
     one, other = torch.zeros(3), torch.ones(3)
     assert signature((one, None, 2.0)) == signature((other, None, 2.0))

@@ -47,7 +47,7 @@ class ChunkedAdmission:
         if rounds.compile:
             for buffer in (self.ids, self.first_column):
                 torch._dynamo.mark_static_address(buffer)
-        self._forward = self.scratch._compiled(self._chunk_forward)
+        self.compiled_chunk = self.scratch._compiled(self._chunk_forward)
 
     def padded_width(self, prompt_length: int) -> int:
         """Columns a prompt of `prompt_length` tokens takes: at least γ + 2 (a drafter's first context), rounded up to
@@ -99,7 +99,7 @@ class ChunkedAdmission:
             for start in range(0, width, self.chunk):
                 self.ids.copy_(padded[:, start: start + self.chunk])
                 self.first_column.fill_(start)
-                self._forward()
+                self.compiled_chunk()
         return width
 
     @torch.no_grad()

@@ -38,7 +38,7 @@ from __future__ import annotations
 import copy
 import functools
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 
 import torch
@@ -218,12 +218,13 @@ class StaticBatchRounds:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
         return compiled_round(function, self.compile, self.target.device, self.graph_pool)
 
-    def keep_graphs_valid(self, *choices: object) -> None:
-        """Drops every captured graph of these rounds and their prefixes when what they read has moved (parameters
-        or buffers at new addresses) or other kernels were chosen (`choices`); each warms up and captures again."""
+    def keep_graphs_valid(self, *choices: object, also: Iterable[Callable] = ()) -> None:
+        """Drops every captured graph of these rounds and their prefixes (and of `also`) when what they read has moved
+        (parameters or buffers at new addresses) or other kernels were chosen (`choices`); each warms up and captures
+        again."""
         functions = [function for rounds in (self, *self._prefixes.values())
                      for function in (rounds.compiled, *rounds._rounds_by_kind.values())]
-        self.capture_key.reset_if_moved(functions, (self.target, self.drafter), *choices)
+        self.capture_key.reset_if_moved([*functions, *also], (self.target, self.drafter), *choices)
 
     def prefix(self, rows: int) -> StaticBatchRounds:
         """The rounds of the first `rows` rows alone (after `prefill`): state and caches are views of these, so what

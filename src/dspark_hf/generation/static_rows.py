@@ -92,6 +92,7 @@ class StaticRows:
         with fast_kernels(target, drafter, attention, fuse_projections, build) as (rounds, admission):
             self.rounds, self.admission = rounds, admission
         kernel, fuse = kernel_choice(target, attention, fuse_projections)
+        self.kernel_choice = (kernel, fuse)
         self._kernels = lambda: kernels_active(target, drafter, kernel, fuse)  # per call: the models are shared
         self.owner: list[Row | None] = [None] * max_batch_size  # each row's request
         self._occupied: list[int] | None = None  # `occupied` and `rows`, until the next `add` / `remove`
@@ -179,6 +180,8 @@ class StaticRows:
         free = [index for index, owner in enumerate(self.owner) if owner is None]
         if len(free) < len(rows):
             raise RuntimeError(f"{len(rows)} requests for {len(free)} free rows.")
+        if len(free) == self.batch_size:  # idle until now: the models may have moved since the last requests
+            self.keep_graphs_valid()
         rounds, first = self.rounds, {}
         with self._kernels(), self._part("prefill"):
             for group in self._groups(rows):
@@ -207,6 +210,12 @@ class StaticRows:
             row.ids.append(first[id(row)])
         return [[first[id(row)]] for row in rows]
 
+    def keep_graphs_valid(self) -> None:
+        """Drops the captured graphs of the rounds and the admission chunk when the models' parameters or buffers
+        moved since they were captured (direct CUDA graphs read them where they were); checked before `warm_up` and
+        whenever requests arrive at an idle batch."""
+        self.rounds.keep_graphs_valid(*self.kernel_choice, also=[self.admission.compiled_chunk])
+
     @torch.no_grad()
     def warm_up(self, widths: Iterable[int] | None = None, sampled: bool = False, progress: bool = False) -> int:
         """Runs, before the first request, every graph that rounds verifying `widths` drafts (default: the policy's)
@@ -217,6 +226,7 @@ class StaticRows:
         The rounds run on free rows, whose results are dropped. Returns the number of graphs run."""
         if self.rows:
             raise RuntimeError("warm_up() runs before the first request.")
+        self.keep_graphs_valid()
         if sampled and self.sampler is None:
             raise ValueError("warm_up(sampled=True) needs a sampler.")
         widths = sorted(set(widths if widths is not None else
