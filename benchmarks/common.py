@@ -32,7 +32,7 @@ def environment() -> dict:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "cuda_graphs": os.environ.get("DSPARK_CUDA_GRAPHS", "trees"),  # dspark_hf.generation.cuda_graphs
+        "cuda_graphs": os.environ.get("DSPARK_CUDA_GRAPHS", "direct"),  # dspark_hf.generation.cuda_graphs
     }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)

@@ -16,8 +16,8 @@ Methods at batch 1, all greedy, one prompt, `--new-tokens` tokens, each timed af
 - `dspark_generate`: `target.generate(assistant_model=drafter)`, eager, every draft verified;
 - `plain_static`: `dspark_hf.generation.static_generate(target, None, ...)`: plain decoding on our static-cache loop
   (no host sync per token: eos is off);
-- `plain_static_compiled`: the same with `compile=True` (`torch.compile(mode="reduce-overhead")`: one CUDA graph per
-  token): our fast plain decoding;
+- `plain_static_compiled`: the same with `compile=True` (one CUDA graph per token, captured directly;
+  `DSPARK_CUDA_GRAPHS=trees`: reduce-overhead's graph trees): our fast plain decoding;
 - `dspark_static`: `static_generate(target, drafter, ...)`, eager;
 - `dspark_static_compiled`: the same with `compile=True`: drafter, Markov loop, target forward and acceptance of a
   round in one CUDA graph, one host sync per round;

@@ -1,5 +1,5 @@
-"""`GraphedFunction`: compiled rounds replayed as directly captured CUDA graphs (`compile=True` of the fast paths
-with `DSPARK_CUDA_GRAPHS=direct`, opt-in).
+"""`GraphedFunction`: compiled rounds replayed as directly captured CUDA graphs (`compile=True` of the fast paths;
+`DSPARK_CUDA_GRAPHS=trees` opts out).
 
 Off CUDA it calls the function as it is; its dispatch (warm-up calls, one capture per argument signature, replays,
 `reset()`) is checked on the CPU with the capture faked; `StaticRound` drops its captured round when the models'
@@ -30,7 +30,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 
 @pytest.fixture
 def direct(monkeypatch):
-    """`compile=True` replays direct graphs (`DSPARK_CUDA_GRAPHS=direct`; the default is reduce-overhead's trees)."""
+    """`compile=True` replays direct graphs (`DSPARK_CUDA_GRAPHS=direct`, also the default)."""
     monkeypatch.setenv(cuda_graphs.GRAPHS_VARIABLE, "direct")
 
 
@@ -78,6 +78,9 @@ class FakeCapture:
         result = self.fn(*self.inputs)
         if self.outputs is None:
             self.outputs = result
+        elif isinstance(result, tuple):
+            for kept, new in zip(self.outputs, result):
+                kept.copy_(new)
         elif result is not None:
             self.outputs.copy_(result)
         self.replays += 1
@@ -114,12 +117,12 @@ def test_calls_warm_up_capture_and_replay_per_signature(monkeypatch):
     assert not graphed.captured and graphed.warm_calls == {signature((x, None)): 1}
 
 
-def test_direct_graphs_are_opt_in(monkeypatch):
+def test_direct_graphs_are_the_default_and_trees_opt_out(monkeypatch):
     target = tiny_target("qwen3", vocab_size=VOCAB_SIZE, eos_token_id=EOS)
-    monkeypatch.delenv(cuda_graphs.GRAPHS_VARIABLE, raising=False)
+    monkeypatch.setenv(cuda_graphs.GRAPHS_VARIABLE, "trees")
     assert not isinstance(StaticRound(target, None, 32, compile=True, do_sample=False).compiled, GraphedFunction)
     assert not isinstance(StaticBatchRounds(target, None, 2, 32, compile=True).compiled, GraphedFunction)
-    monkeypatch.setenv(cuda_graphs.GRAPHS_VARIABLE, "direct")
+    monkeypatch.delenv(cuda_graphs.GRAPHS_VARIABLE)
     assert isinstance(StaticRound(target, None, 32, compile=True, do_sample=False).compiled, GraphedFunction)
     assert isinstance(StaticBatchRounds(target, None, 2, 32, compile=True).compiled, GraphedFunction)
     sampled = StaticBatchRounds(target, drafters(target)["random"], 2, 32, compile=True, do_sample=True)
@@ -328,6 +331,41 @@ def test_static_engine_on_cuda_serves_exactly_with_direct_graphs(direct):
     for handle in handles:
         assert handle.tokens == cuda_solo(target, handle.prompt_ids, handle.params.max_tokens)
     assert all(len(handle.tokens) == 20 for handle in sampled)
+
+
+def test_static_engine_sampled_rounds_with_faked_captures_draw_as_eager_rounds(monkeypatch):
+    """The GPU test below on the CPU, with every round a `GraphedFunction` whose capture is faked (`FakeCapture`: the
+    replay's outputs are the first call's tensors, overwritten by each later replay, as a graph's are): the engine's
+    sampled rounds read each round's drafts and scores before the next replay, so they draw what eager rounds draw."""
+    from dspark_hf.generation import static_batch
+    from dspark_hf.serving import DSparkEngine
+
+    monkeypatch.setattr(cuda_graphs, "_Capture", FakeCapture)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: FakeStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    FakeCapture.made.clear()
+
+    def graphed_round(fn, compile, device, pool=None):  # (uncompiled: the CPU runs the round's Python each call)
+        graphed = GraphedFunction(fn, "cpu", pool=pool)
+        graphed.on_cuda, graphed.side_stream = True, FakeStream()
+        return graphed
+
+    monkeypatch.setattr(static_batch, "compiled_round", graphed_round)
+    target = tiny_target("qwen3", vocab_size=VOCAB_SIZE, eos_token_id=EOS)
+    drafter = drafters(target)["random"]  # (random drafts: rejections and resampling every round)
+    tokens = {}
+    for graphed in (False, True):
+        engine = DSparkEngine(target, drafter, max_batch_size=4, max_model_len=64, static=True, policy="fixed",
+                              static_compile=graphed, default_sampling={"temperature": 0.9, "top_k": 20})
+        engine.warm_up(sampled=True, progress=False, freeze_gc=False)
+        engine.generator.manual_seed(3)
+        handles = [engine.add_request(prompt, max_tokens=16, ignore_eos=True)
+                   for prompt in ([5, 6, 7], list(range(4, 16)), [9, 30, 11], [12, 13], [40, 41, 42, 43])]
+        engine.run()
+        tokens[graphed] = [handle.tokens for handle in handles]
+    replays = [capture.replays for capture in FakeCapture.made]
+    assert replays and sum(replays) > 10  # served rounds replayed captures
+    assert tokens[True] == tokens[False]
 
 
 @cuda

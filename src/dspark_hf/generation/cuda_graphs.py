@@ -24,17 +24,17 @@ GRAPHS_VARIABLE = "DSPARK_CUDA_GRAPHS"
 
 
 def direct_graphs_enabled() -> bool:
-    """Whether `compile=True` on CUDA replays rounds through `GraphedFunction` (`DSPARK_CUDA_GRAPHS=direct`) or through
-    reduce-overhead's graph trees (`trees`, the default until the direct path has been checked on a GPU end to end)."""
-    value = os.environ.get(GRAPHS_VARIABLE, "trees")
+    """Whether `compile=True` on CUDA replays rounds through `GraphedFunction` (`DSPARK_CUDA_GRAPHS=direct`, the
+    default since 2026-12-05) or through reduce-overhead's graph trees (`DSPARK_CUDA_GRAPHS=trees`)."""
+    value = os.environ.get(GRAPHS_VARIABLE, "direct")
     if value not in ("trees", "direct"):
         raise ValueError(f"{GRAPHS_VARIABLE} must be 'trees' or 'direct', got {value!r}.")
     return value == "direct"
 
 
 def direct_graphs(compile: bool | dict) -> bool:
-    """Whether a fast path's `compile` argument gets `GraphedFunction`s: True (not a dict of options) with
-    `DSPARK_CUDA_GRAPHS=direct` (off CUDA they call the compiled function as it is)."""
+    """Whether a fast path's `compile` argument gets `GraphedFunction`s: True (not a dict of options), unless
+    `DSPARK_CUDA_GRAPHS=trees` (off CUDA they call the compiled function as it is)."""
     return compile is True and direct_graphs_enabled()
 
 

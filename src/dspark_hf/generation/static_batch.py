@@ -12,11 +12,10 @@ every round is the same function of the same shapes:
   mask hides the rest), runs the Markov loop, the target's forward over [anchor, γ drafts] of every row, the
   acceptance, and moves each row's write positions past its accepted tokens;
 - the rows' state lives in device buffers updated in place, so `compile=True` can capture a round as one CUDA graph,
-  one per power-of-two batch bucket (`torch.compile(mode="reduce-overhead")`); the host reads one record per round
-  (one synchronisation). With `DSPARK_CUDA_GRAPHS=direct` (experimental), every round is captured directly instead
-  (`cuda_graphs.GraphedFunction`, whose replay costs the host 10-40 µs against the trees' 0.2-1.3 ms), the rows'
-  graphs sharing one memory pool; a sampled DSpark round returns its captured drafts and scores, which verification
-  and `advance` read before the next replay.
+  one per power-of-two batch bucket (`cuda_graphs.GraphedFunction`, the rows' graphs sharing one memory pool; with
+  `DSPARK_CUDA_GRAPHS=trees`, `torch.compile(mode="reduce-overhead")`, whose replay cost the host 0.2-1.3 ms against
+  10-40 µs); the host reads one record per round (one synchronisation). A sampled DSpark round returns its captured
+  drafts and scores, which verification and `advance` read before the next replay.
 
 Greedy acceptance runs inside the round. Sampling (temperature / top-k / top-p, the same for every row) draws drafts
 by the exponential race on noise drawn before the round, so no generator runs inside it, and verifies them with
@@ -519,8 +518,8 @@ def static_generate_batch(
     (at most `max_new_tokens`, up to and including its first eos). `drafter=None` decodes plainly. Sampling
     (`do_sample`, with `temperature` / `top_k` / `top_p` for every row) draws drafts by the exponential race on noise
     drawn before each round and verifies them with `dspark_hf.verify` after it; `seed` seeds both. `compile`: True
-    for `torch.compile(mode="reduce-overhead", dynamic=False)` of the round (or direct CUDA graphs: see the module
-    docstring), or a dict of `torch.compile` options (used as they are).
+    for the round captured as one CUDA graph (see the module docstring), or a dict of `torch.compile` options (used
+    as they are).
     Per-row round statistics go to `drafter.generation_stats` (a `BatchedDSparkStats`). Compiled, the batch is
     padded to the next power of two with copies of the first row that stop at once, so that a graph is captured
     per batch bucket; the rows' draws do not depend on that padding. Caches and the compiled round are kept for the

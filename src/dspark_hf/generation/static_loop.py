@@ -13,10 +13,10 @@ batch 1 with a fixed verify length, but every round is the same function of the 
   buffers: the host queues as many rounds as cannot overshoot `max_new_tokens` and reads their records in one
   synchronisation; sampling verifies through `dspark_hf.verify` after each round, one synchronisation per round.
 
-`compile=True` hands the round function to `torch.compile(mode="reduce-overhead")`, which captures drafter, target
-and (greedy) acceptance together as one CUDA graph on a GPU; with `DSPARK_CUDA_GRAPHS=direct` (experimental) the
-round is compiled without graphs and captured by `cuda_graphs.GraphedFunction` instead (a replay costs the host
-10-40 µs, where the CUDA-graph trees took 0.2-1.3 ms). `drafter=None` decodes plainly on the same static cache
+`compile=True` compiles the round function with `torch.compile` and captures drafter, target and (greedy) acceptance
+together as one CUDA graph on a GPU (`cuda_graphs.GraphedFunction`: a replay costs the host 10-40 µs);
+`DSPARK_CUDA_GRAPHS=trees` hands it to `torch.compile(mode="reduce-overhead")` instead, whose CUDA-graph trees took
+0.2-1.3 ms per replay. `drafter=None` decodes plainly on the same static cache
 (greedy, with no eos to watch: one read of the device at the end): the fast plain baseline a speedup is measured
 against. `target.generate(..., assistant_model=drafter, cache_implementation="static")` at batch 1 runs this loop
 (`static_assisted_decoding`; transformers itself refuses assisted generation on a static cache). Greedy output equals
@@ -379,9 +379,9 @@ def static_generate(
     """`[1, L]` prompt -> `[1, L + n]` with n <= max_new_tokens (fewer when eos ends it, eos kept).
 
     `drafter=None` decodes plainly on the static cache. `eos_token_id` defaults to the target's generation config.
-    `compile`: True for `torch.compile(mode="reduce-overhead", dynamic=False)` of the round (with
-    `DSPARK_CUDA_GRAPHS=direct`: one directly captured CUDA graph on a GPU, `cuda_graphs.GraphedFunction`), or a
-    dict of `torch.compile` options (used as they are).
+    `compile`: True for the round compiled and captured as one CUDA graph on a GPU (`cuda_graphs.GraphedFunction`;
+    with `DSPARK_CUDA_GRAPHS=trees`, `torch.compile(mode="reduce-overhead", dynamic=False)`), or a dict of
+    `torch.compile` options (used as they are).
     `seed` seeds the draft sampling and verification noise. Round statistics go to
     `drafter.generation_stats` (as in `generate()`; a round is one function, so its whole wall-clock time is in
     `verify_seconds` and `draft_seconds` are 0; the device is not synchronised for them). `attention`: "auto" runs
