@@ -116,19 +116,25 @@
 #     collector's work per round (library ec6b8ff; development CPU: engine_host_cpu.py --gc, pauses 746 -> 124 ms in
 #     a four-engine 256-row replay), the static batch's sampled DSpark rounds replay direct graphs too (opt-in), and
 #     benchmarks/carry.sh packs the carry (run `bash benchmarks/carry.sh pack` first: a new checkout has no carry_sched).
-# Next (one call each, carry_sched; move demo_models/, drafters/ and benchmarks/results/ aside first):
-#     1. `bash benchmarks/gpu_round_run.sh tests` (tests/test_cuda_graphs.py on the GPU, direct graphs);
-#     2. `bash benchmarks/gpu_round_run.sh code50m trees` and `... code50m direct`, then the same for qwen3-4b-shape;
-#     3. this script's code50m command at c = 256 64 16 with the current library (the collector's fix, trees), against
-#        serving_static_code50m_key_bounds_h200.json (gc_ms 105 / 50 ms in hardware-aware's runs at c = 256 / 64),
-#        then with DSPARK_CUDA_GRAPHS=direct; consider --requests-per-slot 16 (the runs last 0.4-1.0 s and spread
-#        by up to 40 %; the four engines' warm-up, 8-38 s each, costs more than the runs);
-#     4. the 4B command with the flag; make direct graphs the default if exact and faster.
-#     Then: why hardware-aware's plain rounds at code50m's c = 256 cost more than no speculation's (medians 1.29-1.45
-#     against 1.22-1.34 ms); the overlapped-rounds idea once its chooser times a round's period (device end to
-#     device end, or the host's step when longer) instead of the device alone, measured with --sequential; the
-#     concurrencies not yet run with "auto" (code50m c = 1, 2, 4, 8, 32, 128; the 4B shape c = 1, 2, 4, 16, 32, 64,
-#     256).
+# Twenty-ninth session (library 6e7a4cd, then 1a8feed): `bash benchmarks/gpu_round_run.sh tests`, then `code50m` and
+#     `qwen3-4b-shape`, `trees` and `direct`, with `--methods plain_static_compiled dspark_static_compiled` (one call,
+#     401 s; the 4B trees files were beyond the eight a call returns): round_speed_graphs_*_h200.json,
+#     cuda_graphs_tests_h200.log. Then the code50m command at c = 256 64 with DSPARK_CUDA_GRAPHS=direct and =trees,
+#     SERVING_TIMEOUT=228 each, OUT=$OUT/direct and $OUT/trees (one call, 572 s; only c = 256 finished in each):
+#     serving_static_code50m_graphs_{direct,trees}_h200.*; the two engine CUDA tests (285 s; the sampled one cut):
+#     cuda_graphs_engine_tests_h200.log. Direct graphs are the default since then (DSPARK_CUDA_GRAPHS=trees opts out).
+# Next (one call each, carry_sched; move demo_models/, drafters/ and benchmarks/results/ aside first; a device call
+#     returns at most eight files, so write fewer or split):
+#     1. `python -m pytest -q -p no:hypothesispytest -n 0 tests/test_cuda_graphs.py -k sampled_rounds_on_direct`
+#        (about 3 min or more: it compiles every sampled graph twice), then the whole file;
+#     2. this script's code50m command at c = 64 16 and at 128 32 (direct graphs, the default);
+#     3. the 4B command (twenty-fifth session's) at c = 128 and 32 with direct graphs, against
+#        serving_static_4b_key_bounds*_h200.json; `round_speed.py --model qwen3-8b-shape --methods
+#        plain_static_compiled dspark_static_compiled` (8B's entry predates direct graphs).
+#     Then: why hardware-aware's plain rounds at code50m's c = 256 cost more than no speculation's (0.93 against
+#     0.84 ms per step with direct graphs: the drafter's pending context, flushed every PENDING_ROUNDS rounds); the
+#     engine's host work per round outside the step (0.6 ms at c = 256, about a quarter of the round now) and its
+#     admission (0.8 ms per round at c = 256).
 set -uo pipefail
 # SERVING_TIMEOUT=S stops the benchmark after S seconds (results are saved after every concurrency); 0: no limit.
 export PYTHONPATH=${DSPARK_SRC:-src}
