@@ -55,7 +55,9 @@ class _Capture:
     def __init__(self, fn: Callable[..., Any], args: tuple, pool: tuple | None):
         self.inputs = tuple(arg.clone() if isinstance(arg, torch.Tensor) else arg for arg in args)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        # thread_local, as reduce-overhead's trees capture: only this thread's unsafe CUDA calls are refused during the
+        # capture, not another thread's (an engine can serve from its own thread beside other CUDA work)
+        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
             self.outputs = fn(*self.inputs)
 
     def replay(self, args: tuple) -> Any:
