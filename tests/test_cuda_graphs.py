@@ -333,12 +333,26 @@ def test_static_engine_on_cuda_serves_exactly_with_direct_graphs(direct):
     assert all(len(handle.tokens) == 20 for handle in sampled)
 
 
+def sampled_engine_tokens(target, drafter, compiled: bool, max_model_len: int, max_tokens: int):
+    """Five sampled requests (temperature 0.9, top-k 20) served by a warmed-up static engine, its generator seeded
+    after warm-up: (each request's tokens, the engine)."""
+    from dspark_hf.serving import DSparkEngine
+
+    engine = DSparkEngine(target, drafter, max_batch_size=4, max_model_len=max_model_len, static=True, policy="fixed",
+                          static_compile=compiled, default_sampling={"temperature": 0.9, "top_k": 20})
+    engine.warm_up(sampled=True, progress=False, freeze_gc=False)
+    engine.generator.manual_seed(3)
+    handles = [engine.add_request(prompt, max_tokens=max_tokens, ignore_eos=True)
+               for prompt in ([5, 6, 7], list(range(4, 16)), [9, 30, 11], [12, 13], [40, 41, 42, 43])]
+    engine.run()
+    return [handle.tokens for handle in handles], engine
+
+
 def test_static_engine_sampled_rounds_with_faked_captures_draw_as_eager_rounds(monkeypatch):
     """The GPU test below on the CPU, with every round a `GraphedFunction` whose capture is faked (`FakeCapture`: the
     replay's outputs are the first call's tensors, overwritten by each later replay, as a graph's are): the engine's
     sampled rounds read each round's drafts and scores before the next replay, so they draw what eager rounds draw."""
     from dspark_hf.generation import static_batch
-    from dspark_hf.serving import DSparkEngine
 
     monkeypatch.setattr(cuda_graphs, "_Capture", FakeCapture)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: FakeStream())
@@ -353,16 +367,8 @@ def test_static_engine_sampled_rounds_with_faked_captures_draw_as_eager_rounds(m
     monkeypatch.setattr(static_batch, "compiled_round", graphed_round)
     target = tiny_target("qwen3", vocab_size=VOCAB_SIZE, eos_token_id=EOS)
     drafter = drafters(target)["random"]  # (random drafts: rejections and resampling every round)
-    tokens = {}
-    for graphed in (False, True):
-        engine = DSparkEngine(target, drafter, max_batch_size=4, max_model_len=64, static=True, policy="fixed",
-                              static_compile=graphed, default_sampling={"temperature": 0.9, "top_k": 20})
-        engine.warm_up(sampled=True, progress=False, freeze_gc=False)
-        engine.generator.manual_seed(3)
-        handles = [engine.add_request(prompt, max_tokens=16, ignore_eos=True)
-                   for prompt in ([5, 6, 7], list(range(4, 16)), [9, 30, 11], [12, 13], [40, 41, 42, 43])]
-        engine.run()
-        tokens[graphed] = [handle.tokens for handle in handles]
+    tokens = {graphed: sampled_engine_tokens(target, drafter, graphed, max_model_len=64, max_tokens=16)[0]
+              for graphed in (False, True)}
     replays = [capture.replays for capture in FakeCapture.made]
     assert replays and sum(replays) > 10  # served rounds replayed captures
     assert tokens[True] == tokens[False]
@@ -373,22 +379,13 @@ def test_static_engine_sampled_rounds_on_direct_graphs_draw_as_eager_rounds(dire
     """A sampled DSpark round replayed from its capture returns the capture's drafts and scores, which verification and
     `advance` read before the next replay: the engine draws the same tokens as with its rounds run eagerly (one seed,
     the same requests, the generator re-seeded after warm-up, which runs the graphs a different number of times)."""
-    from dspark_hf.serving import DSparkEngine
-
     target = tiny_target("qwen3", vocab_size=VOCAB_SIZE, eos_token_id=EOS)
     drafter = drafters(target)["random"].cuda()  # (random drafts: rejections and resampling every round)
     target.cuda()
     gamma = drafter.config.num_draft_slots
     tokens = {}
     for compiled in (False, True):
-        engine = DSparkEngine(target, drafter, max_batch_size=4, max_model_len=96, static=True, policy="fixed",
-                              static_compile=compiled, default_sampling={"temperature": 0.9, "top_k": 20})
-        engine.warm_up(sampled=True, progress=False, freeze_gc=False)
-        engine.generator.manual_seed(3)
-        handles = [engine.add_request(prompt, max_tokens=24, ignore_eos=True)
-                   for prompt in ([5, 6, 7], list(range(4, 16)), [9, 30, 11], [12, 13], [40, 41, 42, 43])]
-        engine.run()
-        tokens[compiled] = [handle.tokens for handle in handles]
+        tokens[compiled], engine = sampled_engine_tokens(target, drafter, compiled, max_model_len=96, max_tokens=24)
     rounds = engine.runner.rounds
     replayed = [view._rounds_by_kind["sampled", gamma] for view in (rounds, *rounds._prefixes.values())
                 if ("sampled", gamma) in view._rounds_by_kind]  # (top-k rows: the same function, other arguments)
