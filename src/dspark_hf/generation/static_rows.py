@@ -91,9 +91,8 @@ class StaticRows:
 
         with fast_kernels(target, drafter, attention, fuse_projections, build) as (rounds, admission):
             self.rounds, self.admission = rounds, admission
-        kernel, fuse = kernel_choice(target, attention, fuse_projections)
-        self.kernel_choice = (kernel, fuse)
-        self._kernels = lambda: kernels_active(target, drafter, kernel, fuse)  # per call: the models are shared
+        self.kernel_choice = kernel_choice(target, attention, fuse_projections)  # (static attention, fused projections)
+        self._kernels = lambda: kernels_active(target, drafter, *self.kernel_choice)  # per call: the models are shared
         self.owner: list[Row | None] = [None] * max_batch_size  # each row's request
         self._occupied: list[int] | None = None  # `occupied` and `rows`, until the next `add` / `remove`
         self._rows: list[Row] | None = None
