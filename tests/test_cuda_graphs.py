@@ -65,8 +65,8 @@ class FakeCapture:
 
     made: list[FakeCapture] = []
 
-    def __init__(self, fn, args, pool):
-        self.fn, self.pool, self.replays = fn, pool, 0
+    def __init__(self, fn, args, pool, context=contextlib.nullcontext):
+        self.fn, self.pool, self.context, self.replays = fn, pool, context, 0
         self.inputs = tuple(arg.clone() if isinstance(arg, torch.Tensor) else arg for arg in args)
         self.outputs = None
         FakeCapture.made.append(self)
@@ -75,7 +75,7 @@ class FakeCapture:
         for arg, kept in zip(args, self.inputs):
             if isinstance(kept, torch.Tensor):
                 kept.copy_(arg)
-        result = self.fn(*self.inputs)
+        result = self.run()
         if self.outputs is None:
             self.outputs = result
         elif isinstance(result, tuple):
@@ -85,6 +85,18 @@ class FakeCapture:
             self.outputs.copy_(result)
         self.replays += 1
         return self.outputs
+
+    def run(self):
+        return self.fn(*self.inputs)
+
+
+class FakeCaptureOfPython(FakeCapture):
+    """A `FakeCapture` of a function whose Python runs at every replay on the CPU, so within the context that a
+    real replay, running no Python, does without (the rounds' tap and kernel choices)."""
+
+    def run(self):
+        with self.context():
+            return super().run()
 
 
 class FakeStream:
@@ -100,12 +112,15 @@ def test_calls_warm_up_capture_and_replay_per_signature(monkeypatch):
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     FakeCapture.made.clear()
     fn = Counted(lambda x, bias: x * 2 if bias is None else x * 2 + bias)
-    graphed = GraphedFunction(fn, "cpu", warmup=2, pool="pool")
+    entered = []
+    graphed = GraphedFunction(fn, "cpu", warmup=2, pool="pool",
+                              context=lambda: contextlib.nullcontext(entered.append(fn.calls)))
     graphed.on_cuda, graphed.side_stream = True, FakeStream()  # (what a CUDA device would set)
     x, bias = torch.arange(3.0), torch.ones(3)
     for step in range(4):
         assert torch.equal(graphed(x + step, None), (x + step) * 2)
     assert fn.calls == 4 and len(FakeCapture.made) == 1 and FakeCapture.made[0].replays == 2
+    assert entered == [0, 1] and FakeCapture.made[0].context is graphed.context  # the warm-ups, not the replays
     for step in range(3):  # another signature (a tensor where None was): its own warm-up and capture
         assert torch.equal(graphed(x + step, bias), (x + step) * 2 + 1)
     assert len(FakeCapture.made) == 2 and FakeCapture.made[1].pool == "pool"
@@ -348,23 +363,59 @@ def sampled_engine_tokens(target, drafter, compiled: bool, max_model_len: int, m
     return [handle.tokens for handle in handles], engine
 
 
-def test_static_engine_sampled_rounds_with_faked_captures_draw_as_eager_rounds(monkeypatch):
-    """The GPU test below on the CPU, with every round a `GraphedFunction` whose capture is faked (`FakeCapture`: the
-    replay's outputs are the first call's tensors, overwritten by each later replay, as a graph's are): the engine's
-    sampled rounds read each round's drafts and scores before the next replay, so they draw what eager rounds draw."""
+def fake_graphed_rounds(monkeypatch, capture: type[FakeCapture]) -> None:
+    """The static batch's rounds with `compile=True` become uncompiled `GraphedFunction`s whose captures are faked by
+    `capture` on the CPU; with `compile=False` they stay eager."""
     from dspark_hf.generation import static_batch
 
-    monkeypatch.setattr(cuda_graphs, "_Capture", FakeCapture)
+    monkeypatch.setattr(cuda_graphs, "_Capture", capture)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: FakeStream())
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     FakeCapture.made.clear()
 
-    def graphed_round(fn, compile, device, pool=None):  # (uncompiled: the CPU runs the round's Python each call)
-        graphed = GraphedFunction(fn, "cpu", pool=pool)
+    def graphed_round(fn, compile, device, pool=None, context=contextlib.nullcontext):
+        if not compile:
+            return cuda_graphs.in_context(fn, context)
+        graphed = GraphedFunction(fn, "cpu", pool=pool, context=context)
         graphed.on_cuda, graphed.side_stream = True, FakeStream()
         return graphed
 
     monkeypatch.setattr(static_batch, "compiled_round", graphed_round)
+
+
+def test_static_engine_replays_rounds_outside_the_kernels_context(monkeypatch):
+    """Choosing the kernels (the models' attention implementation, projection fusion) cost the host about 25 µs per
+    model and round: the static engine enters that context only where the models' Python runs (the first prefill,
+    warm-ups and captures), not around replayed rounds and admission chunks. Checked with captures faked."""
+    from dspark_hf.generation import static_rows
+    from dspark_hf.serving import DSparkEngine
+
+    fake_graphed_rounds(monkeypatch, FakeCapture)
+    entered = []
+    choose_kernels = static_rows.kernels_active
+    monkeypatch.setattr(static_rows, "kernels_active", lambda *args: (entered.append(1), choose_kernels(*args))[1])
+    target = tiny_target("qwen3", vocab_size=VOCAB_SIZE, eos_token_id=EOS)
+    engine = DSparkEngine(target, None, max_batch_size=2, max_model_len=48, static=True, policy="none",
+                          static_compile=True, default_sampling={"temperature": 0})
+    engine.warm_up(progress=False, freeze_gc=False)
+    handles = [engine.add_request([5, 6, 7], max_tokens=12)]
+    engine.step()
+    before = len(entered)
+    assert before > 0  # warm-ups, captures, the first prefill
+    handles += [engine.add_request(list(range(4, 4 + length)), max_tokens=12) for length in (3, 9)]
+    engine.run()
+    replays = sum(capture.replays for capture in FakeCapture.made)
+    assert replays > 10 and len(entered) == before  # served rounds and admissions only replayed
+    for handle in handles:
+        prompt = handle.prompt_ids
+        assert handle.tokens == plain(target, torch.tensor([prompt]), 12)[0, len(prompt):].tolist()
+
+
+def test_static_engine_sampled_rounds_with_faked_captures_draw_as_eager_rounds(monkeypatch):
+    """The GPU test below on the CPU, with every round a `GraphedFunction` whose capture is faked (`FakeCapture`: the
+    replay's outputs are the first call's tensors, overwritten by each later replay, as a graph's are): the engine's
+    sampled rounds read each round's drafts and scores before the next replay, so they draw what eager rounds draw."""
+    fake_graphed_rounds(monkeypatch, FakeCaptureOfPython)  # (the CPU runs the rounds' Python at each replay)
     target = tiny_target("qwen3", vocab_size=VOCAB_SIZE, eos_token_id=EOS)
     drafter = drafters(target)["random"]  # (random drafts: rejections and resampling every round)
     tokens = {graphed: sampled_engine_tokens(target, drafter, graphed, max_model_len=64, max_tokens=16)[0]

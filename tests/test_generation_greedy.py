@@ -142,6 +142,25 @@ def test_a_tap_on_the_last_layer_reads_it_before_the_final_norm(monkeypatch):
     torch.testing.assert_close(seen[0], torch.cat([raw[1], raw[4]], dim=-1))
 
 
+def test_nested_taps_keep_their_hooks_until_the_outermost_block_ends():
+    """A round compiled with its tap (`StaticBatchRounds`) may run inside a caller's `with tap:`: the inner block's end
+    must not remove the hooks the outer one still reads through."""
+    from dspark_hf.models import TargetLayerTap
+
+    target = tiny_target("qwen3")
+    ids = prompts(96, count=1, seed=5)[0]
+    tap = TargetLayerTap(target, [0, 2])
+    with torch.no_grad(), tap:
+        with tap:
+            target(ids)
+            inner = tap.features()
+        target(ids)
+        torch.testing.assert_close(tap.features(), inner)  # the hooks outlived the inner block
+    target(ids)
+    with pytest.raises(RuntimeError, match="No hidden states captured"):
+        tap.features()  # ... and left with the outer one
+
+
 def test_stop_strings_cut_where_plain_decoding_stops():
     """A stop string completed inside an accepted draft ends generation at the same token as plain decoding."""
     tokenizer = char_tokenizer()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -38,26 +39,43 @@ def direct_graphs(compile: bool | dict) -> bool:
     return compile is True and direct_graphs_enabled()
 
 
+Context = Callable[[], AbstractContextManager]
+
+
 def compiled_round(fn: Callable[..., Any], compile: bool | dict, device: torch.device | str,
-                   pool: tuple | None = None) -> Callable[..., Any]:
-    """`fn` compiled as a fast path's `compile` argument asks: a dict of `torch.compile` options as given; True: a
-    `GraphedFunction` where `direct_graphs` holds, else reduce-overhead's graph trees."""
-    if isinstance(compile, dict):
-        return torch.compile(fn, **compile)
+                   pool: tuple | None = None, context: Context = nullcontext) -> Callable[..., Any]:
+    """`fn` compiled as a fast path's `compile` argument asks (False: `fn` itself): a dict of `torch.compile` options
+    as given; True: a `GraphedFunction` where `direct_graphs` holds, else reduce-overhead's graph trees. `context()`
+    is entered around every call that runs `fn`'s Python (what its forwards need: kernel choices, hooks); a
+    `GraphedFunction` enters it only to warm up and capture, not around its replays, where it would be host time
+    spent for nothing (setting two models' attention implementation cost about 50 µs a round)."""
     if direct_graphs(compile):
-        return GraphedFunction(torch.compile(fn, dynamic=False), device, pool=pool)
-    return torch.compile(fn, mode="reduce-overhead", dynamic=False)
+        return GraphedFunction(torch.compile(fn, dynamic=False), device, pool=pool, context=context)
+    if isinstance(compile, dict):
+        fn = torch.compile(fn, **compile)
+    elif compile:
+        fn = torch.compile(fn, mode="reduce-overhead", dynamic=False)
+    return in_context(fn, context)
+
+
+def in_context(fn: Callable[..., Any], context: Context) -> Callable[..., Any]:
+    """`fn` called inside `context()`."""
+    def call(*args: Any) -> Any:
+        with context():
+            return fn(*args)
+
+    return call
 
 
 class _Capture:
     """One captured graph of a `GraphedFunction`: static copies of the call's tensor arguments, and its outputs."""
 
-    def __init__(self, fn: Callable[..., Any], args: tuple, pool: tuple | None):
+    def __init__(self, fn: Callable[..., Any], args: tuple, pool: tuple | None, context: Context = nullcontext):
         self.inputs = tuple(arg.clone() if isinstance(arg, torch.Tensor) else arg for arg in args)
         self.graph = torch.cuda.CUDAGraph()
         # thread_local, as reduce-overhead's trees capture: only this thread's unsafe CUDA calls are refused during the
         # capture, not another thread's (an engine can serve from its own thread beside other CUDA work)
-        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
+        with context(), torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
             self.outputs = fn(*self.inputs)
 
     def replay(self, args: tuple) -> Any:
@@ -86,14 +104,16 @@ class GraphedFunction:
 
     `pool` (`torch.cuda.graph_pool_handle()`) lets several graphs share one memory pool: safe when their replays never
     overlap and no graph's outputs are read after another graph has run (the outputs themselves stay reserved).
+    `context()` is entered around each call that runs `fn` (warm-ups, captures, every call off CUDA), not around
+    replays.
     """
 
     def __init__(self, fn: Callable[..., Any], device: torch.device | str, warmup: int = WARMUP_CALLS,
-                 pool: tuple | None = None):
+                 pool: tuple | None = None, context: Context = nullcontext):
         if warmup < 1:
             raise ValueError(f"warmup must be >= 1 (the compile and lazy initialisations must not happen inside a "
                              f"capture), got {warmup}.")
-        self.fn, self.warmup, self.pool = fn, warmup, pool
+        self.fn, self.warmup, self.pool, self.context = fn, warmup, pool, context
         self.on_cuda = torch.device(device).type == "cuda"
         self.side_stream = torch.cuda.Stream(device) if self.on_cuda else None
         self.reset()
@@ -109,14 +129,15 @@ class GraphedFunction:
 
     def __call__(self, *args: Any) -> Any:
         if not self.on_cuda:
-            return self.fn(*args)
+            with self.context():
+                return self.fn(*args)
         key = signature(args)
         capture = self.captures.get(key)
         if capture is None:
             if self.warm_calls.get(key, 0) < self.warmup:
                 self.warm_calls[key] = self.warm_calls.get(key, 0) + 1
                 return self._on_side_stream(args)
-            capture = self.captures[key] = _Capture(self.fn, args, self.pool)
+            capture = self.captures[key] = _Capture(self.fn, args, self.pool, self.context)
         return capture.replay(args)
 
     def _on_side_stream(self, args: tuple) -> Any:
@@ -124,7 +145,7 @@ class GraphedFunction:
         asks for before a capture)."""
         current = torch.cuda.current_stream()
         self.side_stream.wait_stream(current)
-        with torch.cuda.stream(self.side_stream):
+        with self.context(), torch.cuda.stream(self.side_stream):
             result = self.fn(*args)
         current.wait_stream(self.side_stream)
         return result

@@ -19,7 +19,6 @@ so a chunk of several rows costs about what one row's does.
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import nullcontext
 
 import torch
 
@@ -38,7 +37,8 @@ class ChunkedAdmission:
         if not 1 <= rows <= rounds.pad.shape[0]:
             raise ValueError(f"rows must lie in 1..{rounds.pad.shape[0]} (the batch's rows), got {rows}.")
         self.rounds, self.chunk, self.rows = rounds, chunk, rows
-        self.scratch = StaticBatchRounds(rounds.target, rounds.drafter, rows, rounds.capacity, rounds.compile)
+        self.scratch = StaticBatchRounds(rounds.target, rounds.drafter, rows, rounds.capacity, rounds.compile,
+                                         kernels=rounds.kernels)
         device = rounds.anchor.device
         self.ids = torch.zeros(rows, chunk, dtype=torch.long, device=device)  # the chunk's tokens
         self.first_column = torch.zeros(rows, dtype=torch.long, device=device)  # its first column
@@ -68,7 +68,7 @@ class ChunkedAdmission:
         """The output buffers, shaped by an eager target forward (the vocabulary and the feature width), then one
         eager chunk, so that the caches' lazy initialisation happens outside any graph."""
         scratch = self.scratch
-        with scratch.tap if scratch.tap is not None else nullcontext():
+        with scratch._running():
             logits, features = scratch._target_forward(self.ids, self.first_column, logits_to_keep=1)
             self.last_logits = logits[:, -1].clone()
             if features is not None:
@@ -95,11 +95,10 @@ class ChunkedAdmission:
         scratch.pad.copy_(width - real)
         if self.last_logits is None:
             self._allocate()
-        with scratch.tap if scratch.tap is not None else nullcontext():
-            for start in range(0, width, self.chunk):
-                self.ids.copy_(padded[:, start: start + self.chunk])
-                self.first_column.fill_(start)
-                self.compiled_chunk()
+        for start in range(0, width, self.chunk):  # (the compiled chunk runs its Python with the tap active)
+            self.ids.copy_(padded[:, start: start + self.chunk])
+            self.first_column.fill_(start)
+            self.compiled_chunk()
         return width
 
     @torch.no_grad()

@@ -37,8 +37,8 @@ from __future__ import annotations
 import copy
 import functools
 import weakref
-from collections.abc import Callable, Iterable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager, nullcontext
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
@@ -53,7 +53,7 @@ from ..verify import verify
 from ..verify.reference import processed_scores
 from .batched import BatchedDSparkStats, append_rows, padding_token
 from .candidate_generator import DSparkStats
-from .cuda_graphs import CaptureKey, compiled_round, direct_graphs
+from .cuda_graphs import CaptureKey, Context, compiled_round, direct_graphs
 from .speculative_rows import check_batchable_target
 from .static_attention import STATIC_ATTENTION
 from .static_loop import commit, exponential_noise, fast_kernels, fast_path_call, kernel_choice, race
@@ -160,9 +160,11 @@ class StaticBatchRounds:
         return id(target), batch_size, repr(compile), do_sample
 
     def __init__(self, target: PreTrainedModel, drafter: DSparkDraftModel | None, batch_size: int, capacity: int,
-                 compile: bool | dict = False, do_sample: bool = False, context_window: int | None = None):
+                 compile: bool | dict = False, do_sample: bool = False, context_window: int | None = None,
+                 kernels: Context = nullcontext):
         check_batchable_target(target)
         self.target, self.drafter, self.capacity = target, drafter, capacity
+        self.kernels = kernels  # the context in which the models' forwards run the chosen kernels (`kernels_active`)
         self.key = self.key_of(target, batch_size, compile, do_sample)
         device = target.device
         text = target.config.get_text_config()
@@ -211,11 +213,18 @@ class StaticBatchRounds:
         self.capture_key = CaptureKey()
 
     def _compiled(self, function: Callable) -> Callable:
-        if not self.compile:
-            return function
-        # one dynamo entry per round function and shape: a few widths, kinds and row prefixes are more than its default
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
-        return compiled_round(function, self.compile, self.target.device, self.graph_pool)
+        """`function` compiled (`compiled_round`), its Python run with the chosen kernels and the tap active."""
+        if self.compile:
+            # one dynamo entry per round function and shape: a few widths, kinds and row prefixes are more than its
+            # default
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+        return compiled_round(function, self.compile, self.target.device, self.graph_pool, self._running)
+
+    @contextmanager
+    def _running(self) -> Iterator[None]:
+        """Where a round's Python runs: the chosen kernels, and the tap recording the target's features."""
+        with self.kernels(), self.tap if self.tap is not None else nullcontext():
+            yield
 
     def keep_graphs_valid(self, *choices: object, also: Iterable[Callable] = ()) -> None:
         """Drops every captured graph of these rounds and their prefixes (and of `also`) when what they read has moved
@@ -318,7 +327,7 @@ class StaticBatchRounds:
         device = self.target.device
         self.pad.copy_((attention_mask == 0).sum(dim=1).to(device))
         start = torch.zeros_like(self.pad)
-        with self.tap if self.tap is not None else nullcontext():
+        with self._running():
             logits, features = self._target_forward(input_ids.to(device), start)
         self.anchor.copy_(choose(logits[:, -1]))
         self.column.fill_(input_ids.shape[1])
@@ -351,7 +360,7 @@ class StaticBatchRounds:
         pad = (attention_mask == 0).sum(dim=1)
         positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
-        with self.tap if self.tap is not None else nullcontext():
+        with self._running():
             logits = self.target(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
                                  past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
             features = self.tap.features() if self.tap is not None else None
@@ -634,8 +643,7 @@ def _decode_rows(rounds: StaticBatchRounds, input_ids: torch.LongTensor, attenti
                 owner[row] = request
                 commit_tokens(row, [token])
             continue  # a request can end at its first token: admit again before the next round
-        with rounds.tap if rounds.tap is not None else nullcontext():
-            next_round()
+        next_round()
         for row, (accepted, *tokens) in enumerate(rounds.record.tolist()):  # the round's one synchronisation
             request = owner[row]
             if request is None:

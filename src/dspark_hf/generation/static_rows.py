@@ -84,15 +84,18 @@ class StaticRows:
         self.reach = span + window
         capacity = max_model_len + span + self.reach + admission_chunk  # (+ a prompt's padding to whole chunks)
 
+        self.kernel_choice = kernel_choice(target, attention, fuse_projections)  # (static attention, fused projections)
+
+        def kernels():  # entered whenever the models' Python runs (not around graph replays): the models are shared
+            return kernels_active(target, drafter, *self.kernel_choice)
+
         def build() -> tuple[StaticBatchRounds, ChunkedAdmission]:
             rounds = StaticBatchRounds(target, drafter, max_batch_size, capacity, compile,
-                                       context_window=window or None)
+                                       context_window=window or None, kernels=kernels)
             return rounds, ChunkedAdmission(rounds, admission_chunk, min(admission_rows, max_batch_size))
 
         with fast_kernels(target, drafter, attention, fuse_projections, build) as (rounds, admission):
             self.rounds, self.admission = rounds, admission
-        self.kernel_choice = kernel_choice(target, attention, fuse_projections)  # (static attention, fused projections)
-        self._kernels = lambda: kernels_active(target, drafter, *self.kernel_choice)  # per call: the models are shared
         self.owner: list[Row | None] = [None] * max_batch_size  # each row's request
         self._occupied: list[int] | None = None  # `occupied` and `rows`, until the next `add` / `remove`
         self._rows: list[Row] | None = None
@@ -182,7 +185,7 @@ class StaticRows:
         if len(free) == self.batch_size:  # idle until now: the models may have moved since the last requests
             self.keep_graphs_valid()
         rounds, first = self.rounds, {}
-        with self._kernels(), self._part("prefill"):
+        with self._part("prefill"):
             for group in self._groups(rows):
                 slots, free = free[: len(group)], free[len(group):]
                 self._set_sampling(slots, group)
@@ -233,32 +236,28 @@ class StaticRows:
         if not all(0 <= width < self.span for width in widths):
             raise ValueError(f"widths must be in 0..{self.span - 1}, got {widths}.")
         if not self.started:  # the first prefill sets up every row (on a dummy prompt); all rows stay free
-            with self._kernels():
-                prompt = torch.zeros(self.batch_size, self.span + 1, dtype=torch.long)
-                self.rounds.prefill(prompt, torch.ones_like(prompt))
+            prompt = torch.zeros(self.batch_size, self.span + 1, dtype=torch.long)
+            self.rounds.prefill(prompt, torch.ones_like(prompt))
             self.rounds.active.zero_()
             self.started = True
         sizes = self.graph_batch_sizes
         kinds = ["greedy", *(["sampled", "filtered"] if sampled else [])]
         graphs = [(size, kind, width) for size in sizes for width in widths for kind in kinds]
         flushes = sizes if 0 in widths and self.rounds.drafter is not None else []
-        with self._kernels(), tqdm(total=len(graphs) + len(flushes) + 1, desc="round graphs",
-                                   disable=not progress) as bar:
+        with tqdm(total=len(graphs) + len(flushes) + 1, desc="round graphs", disable=not progress) as bar:
             for size, kind, width in graphs:
                 rounds = self.rounds.prefix(size)
                 for _ in range(WARM_UP_CALLS):
-                    with self._tap(rounds):
-                        if kind == "greedy":
-                            rounds.greedy_round(width)()
-                        else:
-                            self._sampled_round(rounds, width, filtered=kind == "filtered")
+                    if kind == "greedy":
+                        rounds.greedy_round(width)()
+                    else:
+                        self._sampled_round(rounds, width, filtered=kind == "filtered")
                 self.warmed.add((size, kind, width))
                 bar.update()
             for size in flushes:
                 rounds = self.rounds.prefix(size)
                 for _ in range(WARM_UP_CALLS):
-                    with self._tap(rounds):
-                        rounds.flush()
+                    rounds.flush()
                 self.warmed.add((size, "flush", 0))
                 bar.update()
             prompt = torch.zeros(1, 1, dtype=torch.long)
@@ -327,19 +326,20 @@ class StaticRows:
         else:  # the first round, or the number of rows changed since the choice (the chooser counted that one as a
             verify = self.chooser.choose(count)  # round of the other number: a refresh due there may be skipped once)
         started = time.perf_counter()
-        with self._kernels(), self._part("verify_forward"):  # (the whole round: one graph)
+        # (the whole round: one graph, whose replay needs neither the kernels' context nor the tap: the rounds enter
+        # them only where their Python runs)
+        with self._part("verify_forward"):
             kind = "greedy" if not any(self.sampled) else "filtered" if any(self.filtered) else "sampled"
             captured = (count, kind, verify) in self.warmed
-            with self._tap(rounds):
-                fullest = max(self.pending)  # (free rows hold 0)
-                if rounds.must_flush(verify, fullest):
-                    rounds.flush()  # the pending context into the drafter cache
-                    self.pending = [0] * self.batch_size
-                    captured = captured and (count, "flush", 0) in self.warmed
-                if kind == "greedy":
-                    rounds.greedy_round(verify)()
-                else:
-                    self._sampled_round(rounds, verify, filtered=kind == "filtered")
+            fullest = max(self.pending)  # (free rows hold 0)
+            if rounds.must_flush(verify, fullest):
+                rounds.flush()  # the pending context into the drafter cache
+                self.pending = [0] * self.batch_size
+                captured = captured and (count, "flush", 0) in self.warmed
+            if kind == "greedy":
+                rounds.greedy_round(verify)()
+            else:
+                self._sampled_round(rounds, verify, filtered=kind == "filtered")
             if self.chooser is not None:  # while the device runs this round: the last round's times and
                 self._record_last_round()  # acceptance, then the next round's width (if it runs as many rows)
                 self._planned = (count, self.chooser.choose(count))
@@ -390,11 +390,6 @@ class StaticRows:
                                temperature=settings[0], top_k=filters[0], top_p=filters[1], seeds=seeds,
                                max_draft_len=verify)
         rounds.advance(result.num_accepted, result.output_tokens, features)
-
-    @staticmethod
-    def _tap(rounds: StaticBatchRounds):
-        """The context in which `rounds`' target forwards record the drafter's features (none without a drafter)."""
-        return rounds.tap if rounds.tap is not None else nullcontext()
 
     def _part(self, name: str):
         return self.profiler.part(name) if self.profiler is not None else nullcontext()

@@ -48,6 +48,7 @@ def check_layer_ids(layer_ids, num_layers: int) -> None:
 
 class TargetLayerTap:
     """Captures the target's tapped hidden states during its forwards; a context manager (hooks live inside `with`).
+    Re-entrant: nested `with tap:` blocks keep the hooks until the outermost one ends.
 
     >>> with TargetLayerTap(target, [1, 3, 5]) as tap:
     ...     target(input_ids)
@@ -60,8 +61,10 @@ class TargetLayerTap:
         check_layer_ids(self.layer_ids, len(self.layers))
         self._captured: dict[int, torch.Tensor] = {}
         self._handles: list = []
+        self._depth = 0  # nested `with` blocks open
 
     def __enter__(self) -> TargetLayerTap:
+        self._depth += 1
         if not self._handles:
             for layer_id in sorted(set(self.layer_ids)):
                 if layer_id == -1:
@@ -72,6 +75,9 @@ class TargetLayerTap:
         return self
 
     def __exit__(self, *exc) -> None:
+        self._depth -= 1
+        if self._depth > 0:
+            return
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
