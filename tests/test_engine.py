@@ -336,6 +336,30 @@ def test_background_loop_and_cancel_while_streaming(models):
         assert result.finish_reason == "length" and len(result.token_ids) == 30
 
 
+def test_cancels_reach_waiting_running_and_finished_requests_as_documented(models):
+    """A waiting request cancelled never starts, a running one stops at the next round, a second cancel changes
+    nothing, and one asked of a finished request leaves it as it finished; the others are served as if alone."""
+    target, drafter = models
+    engine = DSparkEngine(target, drafter, max_batch_size=2, max_model_len=64, default_sampling={"temperature": 0})
+    first, running, waiting, later = (engine.add_request([5 + i, 7, 9], max_tokens=40) for i in range(4))
+    engine.step()  # first and running joined; waiting and later wait
+    waiting.cancel()
+    engine.cancel(waiting.request_id)  # (again, through the engine: nothing more happens)
+    engine.step()
+    running.cancel()
+    stopped_at = len(running.tokens)
+    engine.run()
+    finished_as = first.output().finish_reason
+    first.cancel()  # finished: stays as it finished
+    engine.step()
+    assert waiting.output().finish_reason == "cancelled" and waiting.tokens == [] and waiting.row is None
+    assert running.output().finish_reason == "cancelled" and len(running.tokens) == stopped_at > 0
+    assert first.output().finish_reason == finished_as != "cancelled"
+    for handle in (first, later):
+        assert handle.tokens == solo(target, handle.prompt_ids, 40)
+    assert engine._cancels == [] and engine.requests == {}
+
+
 def test_engine_sampling_matches_target_distribution():
     """1500 requests per prompt through the engine (temperature 0.8); one chi-square test per prompt at ALPHA = 1e-3
     (a correct sampler fails a given seed with probability <= 0.2 % over the two prompts)."""
