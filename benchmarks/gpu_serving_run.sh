@@ -123,11 +123,16 @@
 #     SERVING_TIMEOUT=228 each, OUT=$OUT/direct and $OUT/trees (one call, 572 s; only c = 256 finished in each):
 #     serving_static_code50m_graphs_{direct,trees}_h200.*; the two engine CUDA tests (285 s; the sampled one cut):
 #     cuda_graphs_engine_tests_h200.log. Direct graphs are the default since then (DSPARK_CUDA_GRAPHS=trees opts out).
+# Thirtieth session (library 7e1ba59, then 893ef2d): the sampled engine CUDA test (246 s, passed:
+#     cuda_graphs_sampled_engine_test_h200.log) and `python benchmarks/plain_round_tax.py --model code50m --concurrency
+#     256 --new-tokens 96 --profile-rounds 32` (plain_round_tax_code50m_before_h200.json); after the replays stopped
+#     entering the kernels' context, the same profile (..._after_h200.json) and this script's code50m command at
+#     c = 256 64 with SERVING_TIMEOUT=370 OUT=$OUT/s (one call, 320 s): serving_static_code50m_host_context_h200.*.
 # Next (one call each, carry_sched; move demo_models/, drafters/ and benchmarks/results/ aside first; a device call
 #     returns at most eight files, so write fewer or split):
-#     1. `python -m pytest -q -p no:hypothesispytest -n 0 tests/test_cuda_graphs.py -k sampled_rounds_on_direct`
-#        (about 3 min or more: it compiles every sampled graph twice), then the whole file;
-#     2. this script's code50m command at c = 64 16 and at 128 32 (direct graphs, the default);
+#     1. `python -m pytest -q -p no:hypothesispytest -n 0 tests/test_cuda_graphs.py` (the whole file, with the
+#        replays outside the kernels' context);
+#     2. this script's code50m command at c = 16 4 and at 128 32 (direct graphs, the default);
 #     3. the 4B command (twenty-fifth session's) at c = 128 and 32 with direct graphs, against
 #        serving_static_4b_key_bounds*_h200.json; `round_speed.py --model qwen3-8b-shape --methods
 #        plain_static_compiled dspark_static_compiled` (8B's entry predates direct graphs).
