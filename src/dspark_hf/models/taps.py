@@ -70,7 +70,8 @@ class TargetLayerTap:
                 if layer_id == -1:
                     handle = self.layers[0].register_forward_pre_hook(self._record_input, with_kwargs=True)
                 else:
-                    handle = self.layers[layer_id].register_forward_hook(functools.partial(self._record_output, layer_id))
+                    record = functools.partial(self._record_output, layer_id)
+                    handle = self.layers[layer_id].register_forward_hook(record)
                 self._handles.append(handle)
         return self
 
