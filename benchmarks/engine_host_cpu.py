@@ -14,6 +14,13 @@ over `--processes` fresh processes (a shared machine's speed varies from process
 times the hardware-aware `RoundWidthChooser` alone instead: µs per round of `choose` + `record` at 1, 16 and 256 rows
 (widths 0, 1, 3, 7; width 7 the fastest; accepted drafts ~ Exponential(0.5), capped), the best of 5 × 20000 rounds.
 
+    PYTHONPATH=src python benchmarks/engine_host_cpu.py --contexts
+
+times what the static engine entered around every round until it stopped doing so (replays need neither): the kernel
+choices (`static_loop.kernels_active` with the static-cache attention and fused projections, as on CUDA: each model's
+attention implementation set and restored) for the target alone and for target and drafter, and the drafter's tap
+(`TargetLayerTap`: hooks registered and removed); µs per enter + exit, the best of 5 × 20000.
+
     PYTHONPATH=src python benchmarks/engine_host_cpu.py --gc --rows 256
 
 measures the garbage collector instead (`collector_pauses`): four stubbed engines serve four runs of 4 × `--rows`
@@ -142,6 +149,30 @@ def chooser_us_per_round(rows: int, rounds: int = 20000, repeats: int = 5) -> fl
     return 1e6 * best
 
 
+def context_us(context, calls: int = 20000, repeats: int = 5) -> float:
+    """The best µs per `with context():` (enter + exit, empty body) over `repeats` runs of `calls`."""
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        for _ in range(calls):
+            with context():
+                pass
+        best = min(best, (time.perf_counter() - started) / calls)
+    return 1e6 * best
+
+
+def round_contexts_us() -> dict[str, float]:
+    """µs per enter + exit of the contexts the static engine entered around every round (see the module docstring)."""
+    from dspark_hf.generation.static_loop import kernels_active
+    from dspark_hf.models import TargetLayerTap
+
+    target, drafter, _ = tiny_models()
+    tap = TargetLayerTap(target, drafter.config.target_layer_ids)
+    return {"kernels_target": context_us(lambda: kernels_active(target, None, True, True)),
+            "kernels_target_and_drafter": context_us(lambda: kernels_active(target, drafter, True, True)),
+            "tap": context_us(lambda: tap)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=256)
@@ -150,7 +181,11 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=3, help="0: this process only")
     parser.add_argument("--chooser", action="store_true", help="time RoundWidthChooser alone (see above)")
     parser.add_argument("--gc", action="store_true", help="the garbage collector's pauses while serving (see above)")
+    parser.add_argument("--contexts", action="store_true", help="the contexts once entered around every round")
     args = parser.parse_args()
+    if args.contexts:
+        print(json.dumps({name: round(us, 1) for name, us in round_contexts_us().items()}))
+        return
     if args.gc:
         print(json.dumps(collector_pauses(args.rows)))
         return
