@@ -306,17 +306,18 @@ class DSparkEngine:
         "cancelled")."""
         with self._lock:
             request = self.requests.get(request_id)
-            if request is None:
-                raise ValueError(f"Unknown request_id {request_id!r}.")
-            self._ask_cancel(request)
+        if request is None:
+            raise ValueError(f"Unknown request_id {request_id!r}.")
+        request.cancel()
 
     def _ask_cancel(self, request: Request) -> None:
-        """Marks `request` (unfinished) for the next round to cancel; with `_lock` held. The round reads only the
+        """Marks `request` (unfinished) for the next round to cancel (`Request.cancel`). The round reads only the
         requests marked so: scanning every running and waiting request for a flag cost every round about 0.1 µs per
         request, thousands of them while a burst waits."""
-        if not request.cancel_requested and not request.finished:
-            request.cancel_requested = True
-            self._cancels.append(request)
+        with self._lock:
+            if not request.cancel_requested and not request.finished:
+                request.cancel_requested = True
+                self._cancels.append(request)
 
     def decode(self, tokens: list[int]) -> str | None:
         return self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer is not None else None

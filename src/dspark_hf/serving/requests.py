@@ -134,8 +134,7 @@ class Request:
     def cancel(self) -> None:
         """Stops the request at the next round boundary (a waiting request never starts; a finished one stays as it
         finished)."""
-        with self.engine._lock:
-            self.engine._ask_cancel(self)
+        self.engine._ask_cancel(self)
 
     def stream(self):
         """Yields the request's tokens as they are committed, and stops when it finishes (including a cancel).
