@@ -136,10 +136,11 @@
 #     3. the 4B command (twenty-fifth session's) at c = 128 and 32 with direct graphs, against
 #        serving_static_4b_key_bounds*_h200.json; `round_speed.py --model qwen3-8b-shape --methods
 #        plain_static_compiled dspark_static_compiled` (8B's entry predates direct graphs).
-#     Then: admissions without the drafter's prompt context while hardware-aware runs plain rounds (the admission
-#     part of c = 64's gap, about 2 %; a drafter without its prompt kept 97 % of its τ on the CPU:
-#     drafter_context_reach_cpu.json, docs/serving_measurements.md); the engine's host work per round outside the
-#     step (0.47 ms at c = 256, about a quarter of the round) and its admission (0.75 ms per round at c = 256).
+#     In run 2, hardware-aware's admissions after 32 plain rounds in a row skip the prompts' drafter context (the
+#     admission part of c = 64's gap, about 2 %; a drafter without its prompt kept 97 % of its τ on the CPU:
+#     drafter_context_reach_cpu.json, docs/serving_measurements.md): compare its admit_ms_per_round with no
+#     speculation's. Then the engine's host work per round outside the step (0.47 ms at c = 256, about a quarter of the
+#     round) and its admission (0.75 ms per round at c = 256).
 set -uo pipefail
 # SERVING_TIMEOUT=S stops the benchmark after S seconds (results are saved after every concurrency); 0: no limit.
 export PYTHONPATH=${DSPARK_SRC:-src}

@@ -181,7 +181,7 @@ def test_static_round_drops_its_graph_when_what_it_reads_moves(direct):
 
 
 def test_static_engine_drops_its_graphs_when_the_models_moved_while_it_was_idle(direct, monkeypatch):
-    """`DSparkEngine(static=True)`: every round and the admission chunk are direct graphs; their captures go when a
+    """`DSparkEngine(static=True)`: every round and the admission chunks are direct graphs; their captures go when a
     parameter moves, and the check runs when requests arrive at an idle batch (not per round, nor while busy)."""
     from dspark_hf.serving import DSparkEngine
 
@@ -190,7 +190,8 @@ def test_static_engine_drops_its_graphs_when_the_models_moved_while_it_was_idle(
     engine = DSparkEngine(target, drafter, max_batch_size=2, max_model_len=48, static=True, static_compile=True,
                           policy="fixed")
     runner = engine.runner
-    graphed = [runner.rounds.compiled, runner.rounds.greedy_round(2), runner.admission.compiled_chunk]
+    graphed = [runner.rounds.compiled, runner.rounds.greedy_round(2), runner.admission.compiled_chunk,
+               runner.admission.compiled_chunk_without_context]
     assert all(isinstance(function, GraphedFunction) for function in graphed)
     warmed = {(): 2}  # as if captured (a capture needs CUDA)
     runner.keep_graphs_valid()

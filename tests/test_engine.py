@@ -616,6 +616,27 @@ def test_static_engine_tells_its_chooser_which_rounds_replay_graphs_warm_up_ran(
     assert not any(captured[False][0] + captured[False][1])
 
 
+def check_drafts_every_round(runner, target, drafter) -> list[int]:
+    """Wraps `runner.step` (a `StaticRows`): after each drafting round, every request's drafts must be what the drafter
+    proposes given its committed context from its row's `drafter_start` on; returns the list of those starts (one per
+    request and drafting round), which fills as the rounds run."""
+    step, starts = runner.step, []
+
+    def checked_step():
+        before = {slot: list(row.ids) for slot, row in enumerate(runner.owner) if row is not None}
+        committed = step()
+        if runner.drafted_last_round:
+            for slot, ids in before.items():
+                start = int(runner.rounds.drafter_start[slot] - runner.rounds.pad[slot])
+                assert runner.rounds.drafts[slot].tolist() == reference_drafts(target, drafter, ids[:-1], ids[-1],
+                                                                               start)
+                starts.append(start)
+        return committed
+
+    runner.step = checked_step
+    return starts
+
+
 @pytest.mark.parametrize("head", [dict(), dict(head_type="rnn"), dict(markov_rank=0, confidence=False)],
                          ids=["vanilla", "rnn", "dflash"])
 def test_static_engine_drafts_from_each_requests_whole_context_across_plain_rounds(models, head, monkeypatch):
@@ -646,15 +667,11 @@ def test_static_engine_drafts_from_each_requests_whole_context_across_plain_roun
             return _admit(*args)
         monkeypatch.setattr(owner, "admit", counted)
     runner.chooser = RandomWidths(runner.chooser.widths, seed=5, plain_share=0.7)  # runs of plain rounds
-    step, checked = runner.step, []
+    checked = check_drafts_every_round(runner, target, drafter)
+    step = runner.step
 
     def checked_step():
-        before = {slot: list(row.ids) for slot, row in enumerate(runner.owner) if row is not None}
         committed = step()
-        if runner.drafted_last_round:
-            for slot, ids in before.items():
-                assert runner.rounds.drafts[slot].tolist() == reference_drafts(target, drafter, ids[:-1], ids[-1])
-            checked.append(len(before))
         for slot, row in enumerate(runner.owner):
             if row is not None:
                 assert_drafter_cache_holds_context(runner.rounds, slot, row.ids)
@@ -666,8 +683,77 @@ def test_static_engine_drafts_from_each_requests_whole_context_across_plain_roun
     rng = random.Random(11)
     serve_exactly(engine, target, rng, 7, 12, (8, 30))
     plain = [entry for entry in engine.round_log if not entry["speculative"]]
-    assert len(checked) > 10 and len(plain) > 5 and flushes
+    assert len(checked) > 10 and set(checked) == {0} and len(plain) > 5 and flushes
     assert admissions["chunked"] and admissions["eager"] and admissions["chunked_pairs"]
+
+
+@pytest.mark.parametrize("eager", [False, True], ids=["chunked", "eager"])
+def test_static_engine_admits_without_the_prompts_drafter_context_after_a_run_of_plain_rounds(models, eager,
+                                                                                               monkeypatch):
+    """After `PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER` plain rounds in a row, requests join without their prompt's
+    drafter context, in chunks or in one eager forward: their rows' drafter-cache columns before the prompt's last
+    γ + 1 positions keep what they held (here: large noise) and the drafter does not see them, so every drafting round
+    proposes for such a request what the drafter proposes given its context from there on (a random drafter: its
+    drafts depend on all of it); a request that joined before keeps its whole context, and every request equals its
+    solo greedy generate(). Once a round drafts, requests join with their prompt's context again."""
+    from dspark_hf.generation import static_rows
+
+    monkeypatch.setattr(static_rows, "PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER", 3)
+    target, _ = models
+    drafter = tiny_drafter(target, block_size=5, seed=3)
+    engine = DSparkEngine(target, drafter, max_batch_size=3, max_model_len=64, static=True, policy="hardware_aware",
+                          admission_batch=1, default_sampling={"temperature": 0})
+    runner = engine.runner
+    runner.eager_admission_from = 1 if eager else 64
+    runner.chooser = chooser = RandomWidths(runner.chooser.widths, seed=5, plain_share=1.0)
+    rng = random.Random(7)
+
+    def request(length: int, budget: int):
+        return engine.add_request([rng.randrange(4, VOCAB_SIZE) for _ in range(length)], max_tokens=budget)
+
+    handles = [request(9, 40)]
+    for _ in range(3):  # plain rounds only
+        engine.step()
+    rounds = runner.rounds
+    for layer in rounds.drafter_cache.layers:  # the free rows' drafter cache: noise the drafter must not see
+        layer.keys[1:].normal_(std=30.0)
+        layer.values[1:].normal_(std=30.0)
+    handles += [request(14, 30), request(11, 30)]
+    engine.step()  # both join without their prompts' drafter context
+    starts = {slot: int(rounds.drafter_start[slot] - rounds.pad[slot]) for slot in range(3)}
+    assert starts[0] == 0 and starts[1] == 14 - rounds.width and starts[2] == 11 - rounds.width
+
+    chooser.plain_share = 0.3
+    checked = check_drafts_every_round(runner, target, drafter)
+    engine.run()
+    assert 0 in checked and 14 - rounds.width in checked and 11 - rounds.width in checked
+    for handle in handles:
+        assert handle.tokens == solo(target, handle.prompt_ids, handle.params.max_tokens)
+    assert runner.plain_rounds_in_a_row < 3
+    late = request(10, 12)  # after a drafting round: with the prompt's context
+    engine.run()
+    assert late.tokens == solo(target, late.prompt_ids, 12)
+    assert int(rounds.drafter_start[0]) == int(rounds.pad[0])
+
+
+def test_static_engine_without_a_drafter_admits_through_its_one_admission_graph(models, monkeypatch):
+    """Plain decoding (no drafter) runs only plain rounds: its admissions after any number of them still go through
+    the admission graph that `warm_up()` captures (the one with the prompts' drafter context, which it lacks)."""
+    from dspark_hf.generation import static_rows
+
+    monkeypatch.setattr(static_rows, "PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER", 2)
+    target, _ = models
+    engine = DSparkEngine(target, None, max_batch_size=2, max_model_len=48, static=True, admission_batch=1,
+                          default_sampling={"temperature": 0})
+    admission, chunks = engine.runner.admission, []
+    monkeypatch.setattr(admission, "compiled_chunk", lambda _chunk=admission.compiled_chunk: chunks.append(_chunk()))
+    monkeypatch.setattr(admission, "compiled_chunk_without_context", lambda: pytest.fail("the graph without context"))
+    first = engine.add_request([5, 6, 7], max_tokens=30, ignore_eos=True)
+    for _ in range(4):
+        engine.step()
+    second = engine.add_request([8, 9], max_tokens=5)  # joins a running batch after 4 plain rounds: in chunks
+    engine.run()
+    assert chunks and first.tokens == solo(target, first.prompt_ids, 30) and second.tokens == solo(target, [8, 9], 5)
 
 
 def test_chunked_admission_pads_prompts_to_whole_chunks_and_refuses_chunks_shorter_than_a_round(models):
@@ -682,9 +768,9 @@ def test_chunked_admission_pads_prompts_to_whole_chunks_and_refuses_chunks_short
 def test_static_engine_compiles_every_graph_at_warm_up_and_none_while_serving():
     """fullgraph=True: `warm_up(widths, sampled=True)` compiles each graph that rounds of those widths can run once:
     per row prefix (all rows, the first alone), plain rounds and γ drafts, greedy and sampled with and without
-    top-k / top-p, the flush and the admission chunk; serving greedy and sampled requests of both widths afterwards
-    compiles nothing more, and the greedy outputs are still the solo greedy ones. (Two widths, one target family:
-    tracing takes about half a minute.)"""
+    top-k / top-p, the flush and the admission chunks (with and without the prompts' drafter context); serving greedy
+    and sampled requests of both widths afterwards compiles nothing more, and the greedy outputs are still the solo
+    greedy ones. (Two widths, one target family: tracing takes about half a minute.)"""
     from test_static_loop import counting_backend
 
     target = make_bigram_like(tiny_target("qwen3", vocab_size=VOCAB_SIZE, eos_token_id=EOS))
@@ -696,8 +782,8 @@ def test_static_engine_compiles_every_graph_at_warm_up_and_none_while_serving():
                           default_sampling={"temperature": 0})
     widths = (0, drafter.config.num_draft_slots)
     graphs = engine.warm_up(widths, sampled=True, progress=False)
-    # prefixes 1 and 2; three kinds; flushes; the admission chunk
-    assert graphs == 2 * len(widths) * 3 + 2 + 1 == len(compilations)
+    # prefixes 1 and 2; three kinds; flushes; the admission chunk with and without the prompts' drafter context
+    assert graphs == 2 * len(widths) * 3 + 2 + 2 == len(compilations)
     engine.runner.chooser = RandomWidths(widths, seed=2, plain_share=0.5)
     rng = random.Random(3)
     serve_exactly(engine, target, rng, 5, 10, (10, 30))
@@ -727,7 +813,7 @@ def test_static_engine_runs_only_the_graph_batch_sizes_it_is_given(models):
                           static_graph_batch_sizes=(2,), default_sampling={"temperature": 0})
     assert engine.runner.graph_batch_sizes == (2, 4)
     gc.unfreeze()
-    graphs = 2 * len(widths) + 2 + 1  # (+ flushes, the admission chunk)
+    graphs = 2 * len(widths) + 2 + 2  # (+ flushes, the admission chunk with and without the prompts' context)
     assert engine.warm_up(widths, progress=False, freeze_gc=False) == graphs and gc.get_freeze_count() == 0
     assert engine.warm_up(widths, progress=False) == graphs and gc.get_freeze_count() > 0
     assert all(item is not engine for item in gc.get_objects())  # frozen: out of the collector's reach

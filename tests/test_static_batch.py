@@ -70,17 +70,17 @@ def test_rows_accept_different_numbers_of_drafts_in_one_round(target):
     assert_rows_equal_solo(target, drafter, prompts, 25)
 
 
-def reference_drafts(target, drafter, sequence: list[int], anchor: int) -> list[int]:
-    """The drafts after `anchor` from a drafter given the target features of all of `sequence` (the committed tokens
-    before the anchor) at once, on a fresh cache."""
+def reference_drafts(target, drafter, sequence: list[int], anchor: int, start: int = 0) -> list[int]:
+    """The drafts after `anchor` from a drafter given the target features of `sequence` (the committed tokens before
+    the anchor) from position `start` on, at once, on a fresh cache."""
     tap = TargetLayerTap(target, drafter.config.target_layer_ids)
     with torch.no_grad(), tap:
         target(input_ids=torch.tensor([sequence]))
         features = tap.features()
     length, block = len(sequence), drafter.config.block_size
-    proposal = drafter.draft(torch.tensor([anchor]), features, DynamicCache(),
+    proposal = drafter.draft(torch.tensor([anchor]), features[:, start:], DynamicCache(),
                              position_ids=torch.arange(length, length + block)[None],
-                             context_position_ids=torch.arange(length)[None])
+                             context_position_ids=torch.arange(start, length)[None])
     return proposal.tokens[0].tolist()
 
 

@@ -11,13 +11,15 @@ caches with `rows` rows (the target's, and the drafter's context), every chunk t
 so with `compile` it is one CUDA graph whatever the prompts' lengths. Up to `rows` prompts join at once, each
 left-padded to the longest's multiple of `chunk` (the scratch rows no prompt takes repeat the first one); their K/V
 then go into the admitted rows of the running batch (W columns per layer) and their state is set as `admit` sets it
-(`StaticBatchRounds.start_rows`). Each chunk's queries see the columns before them (causal), so the caches equal
-those of one forward over the prompt up to the kernels' rounding. A small model's chunk is bound by kernel launches,
-so a chunk of several rows costs about what one row's does.
+(`StaticBatchRounds.start_rows`). Each chunk's queries see the columns before them (causal), so the caches equal those
+of one forward over the prompt up to the kernels' rounding. A small model's chunk is bound by kernel launches, so a
+chunk of several rows costs about what one row's does. `admit(..., prompt_context=False)` runs a second graph, without
+the drafter: the rows join without their prompt's drafter context (`StaticRows` does so while it runs plain rounds).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -48,20 +50,25 @@ class ChunkedAdmission:
             for buffer in (self.ids, self.first_column):
                 torch._dynamo.mark_static_address(buffer)
         self.compiled_chunk = self.scratch._compiled(self._chunk_forward)
+        # the chunk without the drafter's context forward (its target features still give the prompt's last γ + 1)
+        self.compiled_chunk_without_context = self.scratch._compiled(
+            functools.partial(self._chunk_forward, prompt_context=False))
 
     def padded_width(self, prompt_length: int) -> int:
         """Columns a prompt of `prompt_length` tokens takes: at least γ + 2 (a drafter's first context), rounded up to
         a multiple of `chunk`."""
         return -(-max(prompt_length, self.rounds.width + 1) // self.chunk) * self.chunk
 
-    def _chunk_forward(self) -> None:
-        """The target over `ids` at columns `first_column` .. + chunk - 1 of the one-row caches (the drafter's context
-        K/V of those columns too); its last logits and features into `last_logits` / `tail`."""
+    def _chunk_forward(self, prompt_context: bool = True) -> None:
+        """The target over `ids` at columns `first_column` .. + chunk - 1 of the one-row caches (with
+        `prompt_context`, the drafter's context K/V of those columns too); its last logits and features into
+        `last_logits` / `tail`."""
         scratch = self.scratch
         logits, features = scratch._target_forward(self.ids, self.first_column, logits_to_keep=1)
         self.last_logits.copy_(logits[:, -1])
         if scratch.drafter is not None:
-            scratch._write_drafter_context(features, self.first_column, self.first_column + self.chunk)
+            if prompt_context:
+                scratch._write_drafter_context(features, self.first_column, self.first_column + self.chunk)
             self.tail.copy_(features[:, -scratch.width:])
 
     def _allocate(self) -> None:
@@ -79,7 +86,7 @@ class ChunkedAdmission:
                         torch._dynamo.mark_static_address(buffer)
             self._chunk_forward()
 
-    def prefill(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor) -> int:
+    def prefill(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor, prompt_context: bool = True) -> int:
         """Runs up to `rows` left-padded prompts [k, L] (`attention_mask` [k, L]: 0 on padding) through the scratch
         caches in chunks, row i the i-th (the rows no prompt takes repeat the first); returns their padded width W."""
         count = input_ids.shape[0]
@@ -95,15 +102,16 @@ class ChunkedAdmission:
         scratch.pad.copy_(width - real)
         if self.last_logits is None:
             self._allocate()
+        chunk = self.compiled_chunk if prompt_context else self.compiled_chunk_without_context
         for start in range(0, width, self.chunk):  # (the compiled chunk runs its Python with the tap active)
             self.ids.copy_(padded[:, start: start + self.chunk])
             self.first_column.fill_(start)
-            self.compiled_chunk()
+            chunk()
         return width
 
     @torch.no_grad()
     def admit(self, slots: list[int], input_ids: torch.LongTensor, attention_mask: torch.Tensor,
-              choose: Callable[[torch.Tensor], torch.LongTensor] = argmax_last) -> None:
+              choose: Callable[[torch.Tensor], torch.LongTensor] = argmax_last, prompt_context: bool = True) -> None:
         """Prefills the left-padded prompts [k, L] (up to `rows` of them; `attention_mask` 0 on padding) into rows
         `slots` of `rounds` (which have stopped; the others keep their state), as `StaticBatchRounds.admit` does;
         `choose` picks their first tokens from the last logits [k, V] (into `record`)."""
@@ -112,10 +120,10 @@ class ChunkedAdmission:
             raise RuntimeError("admit() refills rows of a running batch: call prefill() first.")
         if count != input_ids.shape[0]:
             raise ValueError(f"{count} slots for {input_ids.shape[0]} prompts.")
-        width = self.prefill(input_ids, attention_mask)
+        width = self.prefill(input_ids, attention_mask, prompt_context)
         index = torch.tensor(slots, device=rounds.anchor.device)
         write_rows(rounds.target_cache, scratch.target_cache, index, width)
-        if rounds.drafter is not None:
+        if rounds.drafter is not None and prompt_context:
             write_rows(rounds.drafter_cache, scratch.drafter_cache, index, width)
         tail = self.tail[:count] if self.tail is not None else None
-        rounds.start_rows(index, scratch.pad[:count], choose(self.last_logits[:count]), width, tail)
+        rounds.start_rows(index, scratch.pad[:count], choose(self.last_logits[:count]), width, tail, prompt_context)

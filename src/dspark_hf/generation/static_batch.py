@@ -189,6 +189,9 @@ class StaticBatchRounds:
         self.anchor = torch.zeros(batch_size, **long)  # the last committed token, not yet in the target cache
         self.column = torch.zeros(batch_size, **long)  # the anchor's column
         self.context_column = torch.zeros(batch_size, **long)  # where `features` start (DSpark)
+        # the first column a drafting round lets the drafter see: the row's first (= pad), or where its context starts
+        # when it joined without its prompt's (`start_rows(..., prompt_context=False)`)
+        self.drafter_start = torch.zeros(batch_size, **long)
         self.active = torch.ones(batch_size, **long)  # 0 once a row has stopped: its columns stop moving
         self.features: torch.Tensor | None = None  # [B, γ + 1, K·H]: the last verify forward's target features
         self.record = torch.zeros(batch_size, 1 + self.width, **long)  # [accepted, emitted tokens] per row
@@ -200,8 +203,8 @@ class StaticBatchRounds:
             self.step = self._plain_round if drafter is None else self._dspark_round
         self.compile = compile
         if compile:
-            for buffer in (self.pad, self.anchor, self.column, self.context_column, self.active, self.record,
-                           self.drafts):
+            for buffer in (self.pad, self.anchor, self.column, self.context_column, self.drafter_start, self.active,
+                           self.record, self.drafts):
                 torch._dynamo.mark_static_address(buffer)
         # with direct graphs (cuda_graphs.py), the rounds share one memory pool (one round runs at a time, and what a
         # sampled DSpark round returns is read before the next one)
@@ -242,8 +245,8 @@ class StaticBatchRounds:
             return self
         if rows not in self._prefixes:
             view = copy.copy(self)
-            for name in ("pad", "anchor", "column", "context_column", "active", "record", "drafts", "features",
-                         "replayed_acceptance"):
+            for name in ("pad", "anchor", "column", "context_column", "drafter_start", "active", "record", "drafts",
+                         "features", "replayed_acceptance"):
                 tensor = getattr(self, name)
                 if tensor is not None:
                     setattr(view, name, tensor[:rows])
@@ -326,6 +329,7 @@ class StaticBatchRounds:
         logits [B, V] (into `record`)."""
         device = self.target.device
         self.pad.copy_((attention_mask == 0).sum(dim=1).to(device))
+        self.drafter_start.copy_(self.pad)
         start = torch.zeros_like(self.pad)
         with self._running():
             logits, features = self._target_forward(input_ids.to(device), start)
@@ -348,10 +352,12 @@ class StaticBatchRounds:
         self.context_column.fill_(context)
 
     def admit(self, slots: list[int], input_ids: torch.LongTensor, attention_mask: torch.Tensor,
-              choose: Callable[[torch.Tensor], torch.LongTensor] = argmax_last) -> None:
+              choose: Callable[[torch.Tensor], torch.LongTensor] = argmax_last, prompt_context: bool = True) -> None:
         """Prefills the left-padded prompts [k, W] (W >= γ + 2 with a drafter) into rows `slots`, which have stopped,
         while the other rows keep their state: one target forward (and one drafter context forward) on temporary
-        caches whose K/V go into those rows' first W columns. Each new row's first token goes into `record`."""
+        caches whose K/V go into those rows' first W columns. Each new row's first token goes into `record`.
+        `prompt_context=False` skips the drafter's forward: the rows' drafter context starts with the prompt's last
+        γ + 1 positions (`start_rows`)."""
         if not self.target_cache.layers[0].is_initialized:
             raise RuntimeError("admit() refills rows of a running batch: call prefill() first.")
         device = self.target.device
@@ -368,19 +374,22 @@ class StaticBatchRounds:
         width = input_ids.shape[1]
         if self.drafter is not None:
             context = width - self.width  # as in prefill: the last γ + 1 columns' features are the next round's
-            drafter_cache = DynamicCache()
-            block = torch.full((len(slots), 1), self.drafter.config.mask_token_id, dtype=torch.long, device=device)
-            self.drafter(input_ids=block, target_hidden_states=features[:, :context], past_key_values=drafter_cache,
-                         context_position_ids=positions[:, :context], position_ids=(context - pad)[:, None])
-            write_rows(self.drafter_cache, drafter_cache, index)
+            if prompt_context:
+                drafter_cache = DynamicCache()
+                block = torch.full((len(slots), 1), self.drafter.config.mask_token_id, dtype=torch.long, device=device)
+                self.drafter(input_ids=block, target_hidden_states=features[:, :context], past_key_values=drafter_cache,
+                             context_position_ids=positions[:, :context], position_ids=(context - pad)[:, None])
+                write_rows(self.drafter_cache, drafter_cache, index)
             features = features[:, context:]
-        self.start_rows(index, pad, choose(logits), width, features)
+        self.start_rows(index, pad, choose(logits), width, features, prompt_context)
 
     def start_rows(self, index: torch.Tensor, pad: torch.Tensor, first: torch.Tensor, width: int,
-                   features: torch.Tensor | None) -> None:
+                   features: torch.Tensor | None, prompt_context: bool = True) -> None:
         """The state of rows `index` whose prompts (left padding `pad`) fill their first `width` columns of the caches:
         each row's first token `first` as its anchor and in `record`, and with a drafter the prompt's last γ + 1
-        target features `features` [k, γ + 1, K·H], the next round's (`admit`, `ChunkedAdmission.admit`)."""
+        target features `features` [k, γ + 1, K·H], the next round's (`admit`, `ChunkedAdmission.admit`).
+        `prompt_context=False`: the drafter cache holds nothing of these prompts, so its drafting rounds see the rows'
+        columns from the last γ + 1 prompt positions on."""
         self.pad[index] = pad
         self.anchor[index] = first
         self.column[index] = width
@@ -390,6 +399,7 @@ class StaticBatchRounds:
         if self.drafter is not None:
             self.features[index, : self.width] = features.to(self.features.dtype)
             self.context_column[index] = width - self.width
+            self.drafter_start[index] = pad if prompt_context else pad.clamp(min=width - self.width)
 
     # ------------------------------------------------------------------ rounds
     def _plain_round(self) -> None:
@@ -452,7 +462,7 @@ class StaticBatchRounds:
         block = drafter.config.block_size
         # the previous verify features are context up to the anchor's column; the rest is hidden, then overwritten
         self.drafter_cache.move_to(self.context_column)
-        mask = visible_columns(self.pad, self.column, block, self.capacity, False, drafter.compute_dtype)
+        mask = visible_columns(self.drafter_start, self.column, block, self.capacity, False, drafter.compute_dtype)
         mask = torch.cat([mask, mask.new_zeros(mask.shape[0], 1, block, block)], dim=-1)
         context_positions = (self.context_column - self.pad)[:, None] + torch.arange(self.width, device=device)
         hidden, base_logits = drafter.draft_backbone(

@@ -37,6 +37,10 @@ from .static_loop import exponential_noise, fast_kernels, kernel_choice, kernels
 
 
 PENDING_ROUNDS = 4  # the drafter's pending context holds 4 (γ + 1) features: plain rounds flush it 4x less often
+# After this many plain rounds in a row, requests join without their prompt's drafter context (all but its last γ + 1
+# positions): a join then costs what it costs without a drafter, and a request keeps the rest of its context. On the
+# development CPU the trained code50m drafter kept 97 % of its τ without its prompt (drafter_context_reach_cpu.json).
+PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER = 32
 # `warm_up` runs each graph this often: the warm-up calls of a directly captured graph (the first compiles), then its
 # capture (cuda_graphs.py); reduce-overhead's graph trees compile on the first call and capture on the second
 WARM_UP_CALLS = GRAPH_WARMUP_CALLS + 1
@@ -59,7 +63,8 @@ class StaticRows:
     when at least `eager_admission_from` requests of similar lengths join at once (default: 8 × `admission_rows`, a
     group its chunks would take 8 passes to admit), in one eager forward with the others: an eager forward of a small
     model costs about as much for one prompt as for a few, 10-16 ms on the H200 for the 50M fixture, a chunk well under
-    1 ms (docs/serving.md)."""
+    1 ms (docs/serving.md). After `PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER` plain rounds in a row, requests join
+    without their prompt's drafter context (the drafter then sees them from the prompt's last γ + 1 positions on)."""
 
     def __init__(self, target: PreTrainedModel, drafter: DSparkDraftModel | None, max_batch_size: int,
                  max_model_len: int, compile: bool | dict = False, attention: str = "auto",
@@ -110,6 +115,7 @@ class StaticRows:
         self.vocab_size = target.config.get_text_config().vocab_size
         self.started = False
         self.drafted_last_round = drafter is not None
+        self.plain_rounds_in_a_row = 0  # (PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER)
         self.profiler: RoundProfiler | None = None
         self.guard = None
         self.warmed: set[tuple[int, str, int]] = set()  # (rows, kind, width) of the graphs `warm_up` ran twice
@@ -185,6 +191,8 @@ class StaticRows:
         if len(free) == self.batch_size:  # idle until now: the models may have moved since the last requests
             self.keep_graphs_valid()
         rounds, first = self.rounds, {}
+        prompt_context = (self.rounds.drafter is None  # (without a drafter: the one admission graph)
+                          or self.plain_rounds_in_a_row < PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER)
         with self._part("prefill"):
             for group in self._groups(rows):
                 slots, free = free[: len(group)], free[len(group):]
@@ -194,9 +202,10 @@ class StaticRows:
                 if self.started and len(group) < self.eager_admission_from:  # in chunks, `admission.rows` at a time
                     for start in range(0, len(group), self.admission.rows):
                         part = slice(start, start + self.admission.rows)
-                        self.admission.admit(slots[part], ids[part], mask[part], self._first_tokens(group[part]))
+                        self.admission.admit(slots[part], ids[part], mask[part], self._first_tokens(group[part]),
+                                             prompt_context)
                 elif self.started:  # one eager forward for the whole group
-                    rounds.admit(slots, ids, mask, self._first_tokens(group))
+                    rounds.admit(slots, ids, mask, self._first_tokens(group), prompt_context)
                 else:  # the first prefill sets up every row; rows without a request stop at once
                     spare = [0] * (self.batch_size - len(group))
                     choose = self._first_tokens(group + [group[0]] * len(spare))
@@ -216,13 +225,16 @@ class StaticRows:
         """Drops the captured graphs of the rounds and the admission chunk when the models' parameters or buffers
         moved since they were captured (direct CUDA graphs read them where they were); checked before `warm_up` and
         whenever requests arrive at an idle batch."""
-        self.rounds.keep_graphs_valid(*self.kernel_choice, also=[self.admission.compiled_chunk])
+        admission = self.admission
+        self.rounds.keep_graphs_valid(*self.kernel_choice, also=[admission.compiled_chunk,
+                                                                  admission.compiled_chunk_without_context])
 
     @torch.no_grad()
     def warm_up(self, widths: Iterable[int] | None = None, sampled: bool = False, progress: bool = False) -> int:
         """Runs, before the first request, every graph that rounds verifying `widths` drafts (default: the policy's)
         can run, `WARM_UP_CALLS` times: per row prefix, each width's greedy round, with `sampled` its two sampled rounds
-        (with and without top-k / top-p), the flush when plain rounds are among `widths`, and the admission chunk.
+        (with and without top-k / top-p), the flush when plain rounds are among `widths`, and the admission chunk (with
+        plain rounds among `widths` also the one without the drafter's context of the prompts).
         With `compile`, these calls compile and capture the CUDA graphs, so that served rounds only replay graphs and
         the chooser times them from the first (on the H200 a round's first capture took 2-4x its time).
         The rounds run on free rows, whose results are dropped. Returns the number of graphs run."""
@@ -244,7 +256,8 @@ class StaticRows:
         kinds = ["greedy", *(["sampled", "filtered"] if sampled else [])]
         graphs = [(size, kind, width) for size in sizes for width in widths for kind in kinds]
         flushes = sizes if 0 in widths and self.rounds.drafter is not None else []
-        with tqdm(total=len(graphs) + len(flushes) + 1, desc="round graphs", disable=not progress) as bar:
+        chunks = [True, False] if flushes else [True]  # (with and without the prompts' drafter context)
+        with tqdm(total=len(graphs) + len(flushes) + len(chunks), desc="round graphs", disable=not progress) as bar:
             for size, kind, width in graphs:
                 rounds = self.rounds.prefix(size)
                 for _ in range(WARM_UP_CALLS):
@@ -261,11 +274,12 @@ class StaticRows:
                 self.warmed.add((size, "flush", 0))
                 bar.update()
             prompt = torch.zeros(1, 1, dtype=torch.long)
-            for _ in range(WARM_UP_CALLS):
-                self.admission.prefill(prompt, torch.ones_like(prompt))  # the admission chunk (its scratch caches only)
-            bar.update()
+            for prompt_context in chunks:
+                for _ in range(WARM_UP_CALLS):  # the admission chunk (its scratch caches only)
+                    self.admission.prefill(prompt, torch.ones_like(prompt), prompt_context)
+                bar.update()
         self.pending = [0] * self.batch_size
-        return len(graphs) + len(flushes) + 1
+        return len(graphs) + len(flushes) + len(chunks)
 
     def _first_tokens(self, rows: list[Row]):
         if self.sampler is None:
@@ -362,6 +376,7 @@ class StaticRows:
             accepted_drafts.append(accepted)
             pending[index] = pending[index] + 1 if verify == 0 else accepted + 1
         self.drafted_last_round = verify > 0
+        self.plain_rounds_in_a_row = 0 if verify else self.plain_rounds_in_a_row + 1
         if self.chooser is not None:  # recorded during the next round (whose width was chosen without it)
             self._unrecorded = (verify, seconds, accepted_drafts, count, captured)
         return committed
