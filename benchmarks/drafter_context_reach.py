@@ -18,20 +18,15 @@ s = t - k (the last k positions) for k in `--reach`. Writes benchmarks/results/d
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
-from common import REPO, RESULTS, environment, humaneval_prompts, materialize_fixture, write_json
+from common import REPO, environment, humaneval_prompts, materialize_fixture, write_json
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import dspark_hf
 from dspark_hf.training.features import TargetFeatureExtractor
-
-
-def accepted_length(drafts: torch.Tensor, truth: torch.Tensor) -> int:
-    """The longest prefix of `drafts` [n] equal to `truth` [n]."""
-    mismatch = (drafts != truth).nonzero()
-    return int(mismatch[0]) if len(mismatch) else len(drafts)
 
 
 @torch.no_grad()
@@ -63,7 +58,7 @@ def main() -> None:
     parser.add_argument("--reach", type=int, nargs="+", default=[0, 1, 2, 4, 8, 16, 32],
                         help="k: the drafter sees the last k positions only")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default=str(RESULTS / "drafter_context_reach_cpu.json"))
+    parser.add_argument("--out", default="drafter_context_reach_cpu.json", help="under benchmarks/results/")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -87,18 +82,18 @@ def main() -> None:
         features = extractor(sequence[None]).hidden
         prompt_len = ids.shape[1]
         anchors = list(range(prompt_len, len(sequence) - slots))  # every anchor with a full block of truth after it
+        truth = torch.stack([sequence[anchor + 1: anchor + 1 + slots] for anchor in anchors])
         for name, reach in conditions.items():
             starts = [0 if name == "whole context" else prompt_len if name == "no prompt" else max(anchor - reach, 0)
                       for anchor in anchors]
             drafts = draft_blocks(drafter, sequence, features, starts, anchors)
-            accepted[name] += [accepted_length(row, sequence[anchor + 1: anchor + 1 + slots])
-                               for row, anchor in zip(drafts, anchors)]
+            accepted[name] += (drafts == truth).long().cumprod(dim=1).sum(dim=1).tolist()  # longest equal prefixes
 
     rounds = len(accepted["whole context"])
     summary = {name: sum(values) / rounds for name, values in accepted.items()}
     for name, mean in summary.items():
         print(f"{name:>14}: {mean:.3f} accepted drafts per round (τ = {1 + mean:.3f})")
-    write_json(args.out, dict(
+    path = write_json(args.out, dict(
         benchmark="drafter_context_reach", environment=environment(),
         settings=dict(prompts=len(prompts), max_new_tokens=args.max_new_tokens, drafts_per_round=slots,
                       dtype="float32", decoding="greedy", prompts_from="HumanEval (rstrip)"),
@@ -106,10 +101,10 @@ def main() -> None:
         tau={name: 1 + mean for name, mean in summary.items()},
         relative_to_whole_context={name: (1 + mean) / (1 + summary["whole context"]) for name, mean in summary.items()},
     ))
-    plot(summary, args.reach, args.out.removesuffix(".json") + ".png")
+    plot(summary, args.reach, path.with_suffix(".png"))
 
 
-def plot(summary: dict[str, float], reach: list[int], path: str) -> None:
+def plot(summary: dict[str, float], reach: list[int], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")

@@ -102,7 +102,8 @@ class ChunkedAdmission:
         scratch.pad.copy_(width - real)
         if self.last_logits is None:
             self._allocate()
-        chunk = self.compiled_chunk if prompt_context else self.compiled_chunk_without_context
+        skip_drafter = not prompt_context and scratch.drafter is not None  # (else: the one graph `warm_up` captures)
+        chunk = self.compiled_chunk_without_context if skip_drafter else self.compiled_chunk
         for start in range(0, width, self.chunk):  # (the compiled chunk runs its Python with the tap active)
             self.ids.copy_(padded[:, start: start + self.chunk])
             self.first_column.fill_(start)

@@ -191,8 +191,7 @@ class StaticRows:
         if len(free) == self.batch_size:  # idle until now: the models may have moved since the last requests
             self.keep_graphs_valid()
         rounds, first = self.rounds, {}
-        prompt_context = (self.rounds.drafter is None  # (without a drafter: the one admission graph)
-                          or self.plain_rounds_in_a_row < PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER)
+        prompt_context = self.plain_rounds_in_a_row < PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER
         with self._part("prefill"):
             for group in self._groups(rows):
                 slots, free = free[: len(group)], free[len(group):]
