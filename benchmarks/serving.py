@@ -379,6 +379,8 @@ def cell_result(engine: DSparkEngine, handles: list, seconds: float, concurrency
         mean_cache_width=sum(e["width"] for e in log) / max(1, len(log)),
         mean_hole_fraction=sum(e["holes"] for e in log) / max(1, len(log)),
         plain_round_fraction=sum(not e["speculative"] for e in log) / max(1, len(log)),
+        # (static engines) requests that joined after a run of plain rounds, without their prompt's drafter context
+        admitted_without_prompt_context=getattr(engine.runner, "admitted_without_prompt_context", None),
         guard=None if engine.runner.guard is None
         else {str(k): v for k, v in engine.runner.guard.summary().items()},
     )

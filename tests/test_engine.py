@@ -719,7 +719,9 @@ def test_static_engine_admits_without_the_prompts_drafter_context_after_a_run_of
         layer.keys[1:].normal_(std=30.0)
         layer.values[1:].normal_(std=30.0)
     handles += [request(14, 30), request(11, 30)]
+    assert runner.admitted_without_prompt_context == 0
     engine.step()  # both join without their prompts' drafter context
+    assert runner.admitted_without_prompt_context == 2
     starts = {slot: int(rounds.drafter_start[slot] - rounds.pad[slot]) for slot in range(3)}
     assert starts[0] == 0 and starts[1] == 14 - rounds.width and starts[2] == 11 - rounds.width
 
@@ -733,7 +735,7 @@ def test_static_engine_admits_without_the_prompts_drafter_context_after_a_run_of
     late = request(10, 12)  # after a drafting round: with the prompt's context
     engine.run()
     assert late.tokens == solo(target, late.prompt_ids, 12)
-    assert int(rounds.drafter_start[0]) == int(rounds.pad[0])
+    assert int(rounds.drafter_start[0]) == int(rounds.pad[0]) and runner.admitted_without_prompt_context == 2
 
 
 def test_static_engine_without_a_drafter_admits_through_its_one_admission_graph(models, monkeypatch):
@@ -754,6 +756,7 @@ def test_static_engine_without_a_drafter_admits_through_its_one_admission_graph(
     second = engine.add_request([8, 9], max_tokens=5)  # joins a running batch after 4 plain rounds: in chunks
     engine.run()
     assert chunks and first.tokens == solo(target, first.prompt_ids, 30) and second.tokens == solo(target, [8, 9], 5)
+    assert engine.runner.admitted_without_prompt_context == 0
 
 
 def test_chunked_admission_pads_prompts_to_whole_chunks_and_refuses_chunks_shorter_than_a_round(models):

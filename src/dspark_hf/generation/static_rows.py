@@ -116,6 +116,7 @@ class StaticRows:
         self.started = False
         self.drafted_last_round = drafter is not None
         self.plain_rounds_in_a_row = 0  # (PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER)
+        self.admitted_without_prompt_context = 0  # requests that joined so, since the engine was made
         self.profiler: RoundProfiler | None = None
         self.guard = None
         self.warmed: set[tuple[int, str, int]] = set()  # (rows, kind, width) of the graphs `warm_up` ran twice
@@ -192,6 +193,8 @@ class StaticRows:
             self.keep_graphs_valid()
         rounds, first = self.rounds, {}
         prompt_context = self.plain_rounds_in_a_row < PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER
+        if not prompt_context and self.rounds.drafter is not None and self.started:
+            self.admitted_without_prompt_context += len(rows)
         with self._part("prefill"):
             for group in self._groups(rows):
                 slots, free = free[: len(group)], free[len(group):]
