@@ -604,7 +604,7 @@ def test_static_engine_tells_its_chooser_which_rounds_replay_graphs_warm_up_ran(
         if warm:
             engine.warm_up(widths, progress=False, freeze_gc=False)
             assert engine.runner.warmed == {(size, kind, width) for size in (1, 2) for kind, width in
-                                            [("greedy", 0), ("greedy", widths[1]), ("flush", 0)]}
+                                            [("greedy", 0), ("greedy", widths[1]), ("flush", 0), ("forget", 0)]}
         engine.add_request([5, 6, 7], max_tokens=40, temperature=0.0, ignore_eos=True)
         engine.run()
         greedy = len(chooser.captured)
@@ -738,6 +738,49 @@ def test_static_engine_admits_without_the_prompts_drafter_context_after_a_run_of
     assert int(rounds.drafter_start[0]) == int(rounds.pad[0]) and runner.admitted_without_prompt_context == 2
 
 
+def test_static_engine_forgets_old_pending_context_instead_of_flushing_in_a_long_run_of_plain_rounds(models,
+                                                                                                     monkeypatch):
+    """In a run of at least `PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER` plain rounds, a full pending drafter context
+    keeps its last half (`forget_old_context`) instead of a flush: the forgotten columns are never written into the
+    drafter cache (here they hold large noise) and the drafter does not see them, so every later drafting round
+    proposes what the drafter proposes given the context from the first kept column on; the output equals solo greedy
+    generate(). Before the run is long enough, a full context is flushed as always."""
+    from dspark_hf.generation import static_rows
+    from dspark_hf.generation.static_batch import StaticBatchRounds
+
+    monkeypatch.setattr(static_rows, "PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER", 20)
+    target, _ = models
+    drafter = tiny_drafter(target, block_size=5, seed=3)
+    engine = DSparkEngine(target, drafter, max_batch_size=2, max_model_len=96, static=True, policy="hardware_aware",
+                          default_sampling={"temperature": 0})
+    runner = engine.runner
+    runner.chooser = chooser = RandomWidths(runner.chooser.widths, seed=5, plain_share=1.0)
+    calls, forget, flush = [], StaticBatchRounds.forget_old_context, StaticBatchRounds.flush
+
+    def noisy_forget(rounds):  # the not yet written columns (pending and later) take noise first
+        for row, first in enumerate(rounds.context_column.tolist()):
+            for layer in rounds.drafter_cache.layers:
+                layer.keys[row, :, first:].normal_(std=30.0)
+                layer.values[row, :, first:].normal_(std=30.0)
+        calls.append(("forget", runner.plain_rounds_in_a_row))
+        forget(rounds)
+
+    monkeypatch.setattr(StaticBatchRounds, "forget_old_context", noisy_forget)
+    monkeypatch.setattr(StaticBatchRounds, "flush",
+                        lambda rounds: calls.append(("flush", runner.plain_rounds_in_a_row)) or flush(rounds))
+    window, span = runner.rounds.window, runner.rounds.width
+    handle = engine.add_request([5, 6, 7, 8, 9, 10], max_tokens=80, ignore_eos=True)
+    for _ in range(2 * window):  # plain rounds only: a flush at the first full context, forgetting after that
+        engine.step()
+    assert calls[0] == ("flush", window - span) and all(kind == "forget" for kind, _ in calls[1:]) and len(calls) > 1
+    assert runner.rounds.drafter_start[0] == runner.rounds.context_column[0] > runner.rounds.pad[0] + 6 + window
+    chooser.plain_share = 0.3
+    checked = check_drafts_every_round(runner, target, drafter)
+    engine.run()
+    assert checked and checked[0] > 6 + window  # drafted without the forgotten columns
+    assert handle.tokens == solo(target, handle.prompt_ids, 80)
+
+
 def test_static_engine_without_a_drafter_admits_through_its_one_admission_graph(models, monkeypatch):
     """Plain decoding (no drafter) runs only plain rounds: its admissions after any number of them still go through
     the admission graph that `warm_up()` captures (the one with the prompts' drafter context, which it lacks)."""
@@ -771,7 +814,8 @@ def test_chunked_admission_pads_prompts_to_whole_chunks_and_refuses_chunks_short
 def test_static_engine_compiles_every_graph_at_warm_up_and_none_while_serving():
     """fullgraph=True: `warm_up(widths, sampled=True)` compiles each graph that rounds of those widths can run once:
     per row prefix (all rows, the first alone), plain rounds and γ drafts, greedy and sampled with and without
-    top-k / top-p, the flush and the admission chunks (with and without the prompts' drafter context); serving greedy
+    top-k / top-p, the flush, the forgetting of old context and the admission chunks (with and without the prompts'
+    drafter context); serving greedy
     and sampled requests of both widths afterwards compiles nothing more, and the greedy outputs are still the solo
     greedy ones. (Two widths, one target family: tracing takes about half a minute.)"""
     from test_static_loop import counting_backend
@@ -785,8 +829,8 @@ def test_static_engine_compiles_every_graph_at_warm_up_and_none_while_serving():
                           default_sampling={"temperature": 0})
     widths = (0, drafter.config.num_draft_slots)
     graphs = engine.warm_up(widths, sampled=True, progress=False)
-    # prefixes 1 and 2; three kinds; flushes; the admission chunk with and without the prompts' drafter context
-    assert graphs == 2 * len(widths) * 3 + 2 + 2 == len(compilations)
+    # prefixes 1 and 2; three kinds; flushes and forgetting; the admission chunk with and without the prompts' drafter
+    assert graphs == 2 * len(widths) * 3 + 2 * 2 + 2 == len(compilations)  # context
     engine.runner.chooser = RandomWidths(widths, seed=2, plain_share=0.5)
     rng = random.Random(3)
     serve_exactly(engine, target, rng, 5, 10, (10, 30))
@@ -806,7 +850,8 @@ def test_static_engine_compiles_every_graph_at_warm_up_and_none_while_serving():
 
 
 def test_static_engine_runs_only_the_graph_batch_sizes_it_is_given(models):
-    """`static_graph_batch_sizes=(2,)` on 4 rows: warm_up runs 2 sizes (2 and the whole 4) × 2 widths + 2 flushes;
+    """`static_graph_batch_sizes=(2,)` on 4 rows: warm_up runs 2 sizes (2 and the whole 4) × (2 widths + the flush and
+    the forgetting of old context) and 2 admission chunks;
     rounds of any occupancy run 2 or 4 rows, never 1, and stay exact. warm_up freezes the collector's objects unless
     told not to; the engine is still freed when dropped. Sizes outside 1..max_batch_size are refused, as is the
     option on the eager engine."""
@@ -816,7 +861,7 @@ def test_static_engine_runs_only_the_graph_batch_sizes_it_is_given(models):
                           static_graph_batch_sizes=(2,), default_sampling={"temperature": 0})
     assert engine.runner.graph_batch_sizes == (2, 4)
     gc.unfreeze()
-    graphs = 2 * len(widths) + 2 + 2  # (+ flushes, the admission chunk with and without the prompts' context)
+    graphs = 2 * (len(widths) + 2) + 2  # (the admission chunk with and without the prompts' context)
     assert engine.warm_up(widths, progress=False, freeze_gc=False) == graphs and gc.get_freeze_count() == 0
     assert engine.warm_up(widths, progress=False) == graphs and gc.get_freeze_count() > 0
     assert all(item is not engine for item in gc.get_objects())  # frozen: out of the collector's reach

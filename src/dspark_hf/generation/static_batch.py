@@ -309,6 +309,23 @@ class StaticBatchRounds:
             self._rounds_by_kind["flush"] = self._compiled(self._flush_context)
         self._rounds_by_kind["flush"]()
 
+    def forget_old_context(self) -> None:
+        """Instead of `flush()`: keeps each row's last `window // 2` pending features and forgets the older ones,
+        which the drafter then never sees (its drafting rounds see the row from the first kept column on), in one
+        gather (compiled like `compiled`). For long runs of plain rounds: the drafter's forward of a flush is skipped."""
+        if "forget" not in self._rounds_by_kind:
+            self._rounds_by_kind["forget"] = self._compiled(self._forget_old_context)
+        self._rounds_by_kind["forget"]()
+
+    def _forget_old_context(self) -> None:
+        kept = self.window // 2
+        forgotten = (self.column - self.context_column - kept).clamp(min=0)  # [B]: 0 where at most `kept` are pending
+        entries = (forgotten[:, None] + torch.arange(kept, device=forgotten.device)).clamp(max=self.window - 1)
+        features = self.features.gather(1, entries[:, :, None].expand(-1, -1, self.features.shape[-1]))
+        self.features[:, :kept] = features
+        self.context_column.add_(forgotten)
+        torch.maximum(self.drafter_start, self.context_column, out=self.drafter_start)
+
     # ------------------------------------------------------------------ target
     def _target_forward(self, ids: torch.LongTensor, first_column: torch.Tensor, logits_to_keep: int = 0):
         """The target over `ids` [B, T] written from `first_column` [B] -> (float32 logits of the last

@@ -38,8 +38,10 @@ from .static_loop import exponential_noise, fast_kernels, kernel_choice, kernels
 
 PENDING_ROUNDS = 4  # the drafter's pending context holds 4 (γ + 1) features: plain rounds flush it 4x less often
 # After this many plain rounds in a row, requests join without their prompt's drafter context (all but its last γ + 1
-# positions): a join then costs what it costs without a drafter, and a request keeps the rest of its context. On the
-# development CPU the trained code50m drafter kept 97 % of its τ without its prompt (drafter_context_reach_cpu.json).
+# positions): a join then costs what it costs without a drafter, and a request keeps the rest of its context. And a
+# full pending context then keeps its last half (16 features for γ = 7) instead of a flush through the drafter. On the
+# development CPU the trained code50m drafter kept 97 % of its τ without its prompt, 96 % with its last 16 positions
+# alone (drafter_context_reach_cpu.json).
 PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER = 32
 # `warm_up` runs each graph this often: the warm-up calls of a directly captured graph (the first compiles), then its
 # capture (cuda_graphs.py); reduce-overhead's graph trees compile on the first call and capture on the second
@@ -64,7 +66,8 @@ class StaticRows:
     group its chunks would take 8 passes to admit), in one eager forward with the others: an eager forward of a small
     model costs about as much for one prompt as for a few, 10-16 ms on the H200 for the 50M fixture, a chunk well under
     1 ms (docs/serving.md). After `PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER` plain rounds in a row, requests join
-    without their prompt's drafter context (the drafter then sees them from the prompt's last γ + 1 positions on)."""
+    without their prompt's drafter context (the drafter then sees them from the prompt's last γ + 1 positions on), and a
+    full pending context forgets its older half (`StaticBatchRounds.forget_old_context`) instead of a flush."""
 
     def __init__(self, target: PreTrainedModel, drafter: DSparkDraftModel | None, max_batch_size: int,
                  max_model_len: int, compile: bool | dict = False, attention: str = "auto",
@@ -192,7 +195,7 @@ class StaticRows:
         if len(free) == self.batch_size:  # idle until now: the models may have moved since the last requests
             self.keep_graphs_valid()
         rounds, first = self.rounds, {}
-        prompt_context = self.plain_rounds_in_a_row < PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER
+        prompt_context = not self._in_a_long_plain_run()
         if not prompt_context and self.rounds.drafter is not None and self.started:
             self.admitted_without_prompt_context += len(rows)
         with self._part("prefill"):
@@ -235,8 +238,9 @@ class StaticRows:
     def warm_up(self, widths: Iterable[int] | None = None, sampled: bool = False, progress: bool = False) -> int:
         """Runs, before the first request, every graph that rounds verifying `widths` drafts (default: the policy's)
         can run, `WARM_UP_CALLS` times: per row prefix, each width's greedy round, with `sampled` its two sampled rounds
-        (with and without top-k / top-p), the flush when plain rounds are among `widths`, and the admission chunk (with
-        plain rounds among `widths` also the one without the drafter's context of the prompts).
+        (with and without top-k / top-p), the flush and `forget_old_context` when plain rounds are among `widths`, and
+        the admission chunk (with plain rounds among `widths` also the one without the drafter's context of the
+        prompts).
         With `compile`, these calls compile and capture the CUDA graphs, so that served rounds only replay graphs and
         the chooser times them from the first (on the H200 a round's first capture took 2-4x its time).
         The rounds run on free rows, whose results are dropped. Returns the number of graphs run."""
@@ -257,8 +261,9 @@ class StaticRows:
         sizes = self.graph_batch_sizes
         kinds = ["greedy", *(["sampled", "filtered"] if sampled else [])]
         graphs = [(size, kind, width) for size in sizes for width in widths for kind in kinds]
-        flushes = sizes if 0 in widths and self.rounds.drafter is not None else []
-        chunks = [True, False] if flushes else [True]  # (with and without the prompts' drafter context)
+        plain_with_drafter = 0 in widths and self.rounds.drafter is not None
+        flushes = [(size, kind) for size in sizes for kind in ("flush", "forget")] if plain_with_drafter else []
+        chunks = [True, False] if plain_with_drafter else [True]  # (with and without the prompts' drafter context)
         with tqdm(total=len(graphs) + len(flushes) + len(chunks), desc="round graphs", disable=not progress) as bar:
             for size, kind, width in graphs:
                 rounds = self.rounds.prefix(size)
@@ -269,11 +274,11 @@ class StaticRows:
                         self._sampled_round(rounds, width, filtered=kind == "filtered")
                 self.warmed.add((size, kind, width))
                 bar.update()
-            for size in flushes:
+            for size, kind in flushes:
                 rounds = self.rounds.prefix(size)
                 for _ in range(WARM_UP_CALLS):
-                    rounds.flush()
-                self.warmed.add((size, "flush", 0))
+                    (rounds.flush if kind == "flush" else rounds.forget_old_context)()
+                self.warmed.add((size, kind, 0))
                 bar.update()
             prompt = torch.zeros(1, 1, dtype=torch.long)
             for prompt_context in chunks:
@@ -282,6 +287,11 @@ class StaticRows:
                 bar.update()
         self.pending = [0] * self.batch_size
         return len(graphs) + len(flushes) + len(chunks)
+
+    def _in_a_long_plain_run(self) -> bool:
+        """Whether the last `PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER` rounds were plain: requests then join without
+        their prompt's drafter context, and a full pending context forgets its older half instead of a flush."""
+        return self.plain_rounds_in_a_row >= PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER
 
     def _first_tokens(self, rows: list[Row]):
         if self.sampler is None:
@@ -348,7 +358,12 @@ class StaticRows:
             kind = "greedy" if not any(self.sampled) else "filtered" if any(self.filtered) else "sampled"
             captured = (count, kind, verify) in self.warmed
             fullest = max(self.pending)  # (free rows hold 0)
-            if rounds.must_flush(verify, fullest):
+            if rounds.must_flush(verify, fullest) and verify == 0 and self._in_a_long_plain_run():
+                rounds.forget_old_context()  # no drafter forward: each row's pending context drops its older half
+                kept = rounds.window // 2
+                self.pending = [min(pending, kept) for pending in self.pending]
+                captured = captured and (count, "forget", 0) in self.warmed
+            elif rounds.must_flush(verify, fullest):
                 rounds.flush()  # the pending context into the drafter cache
                 self.pending = [0] * self.batch_size
                 captured = captured and (count, "flush", 0) in self.warmed
