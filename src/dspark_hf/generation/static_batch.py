@@ -312,7 +312,7 @@ class StaticBatchRounds:
     def forget_old_context(self) -> None:
         """Instead of `flush()`: keeps each row's last `window // 2` pending features and forgets the older ones,
         which the drafter then never sees (its drafting rounds see the row from the first kept column on), in one
-        gather (compiled like `compiled`). For long runs of plain rounds: the drafter's forward of a flush is skipped."""
+        gather (compiled like `compiled`). For long runs of plain rounds: no drafter forward, as a flush runs."""
         if "forget" not in self._rounds_by_kind:
             self._rounds_by_kind["forget"] = self._compiled(self._forget_old_context)
         self._rounds_by_kind["forget"]()
