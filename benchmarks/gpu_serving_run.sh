@@ -136,10 +136,13 @@
 #     3. the 4B command (twenty-fifth session's) at c = 128 and 32 with direct graphs, against
 #        serving_static_4b_key_bounds*_h200.json; `round_speed.py --model qwen3-8b-shape --methods
 #        plain_static_compiled dspark_static_compiled` (8B's entry predates direct graphs).
-#     In run 2, hardware-aware's admissions after 32 plain rounds in a row skip the prompts' drafter context (the
-#     admission part of c = 64's gap, about 2 %; a drafter without its prompt kept 97 % of its τ on the CPU:
-#     drafter_context_reach_cpu.json, docs/serving_measurements.md): compare its admit_ms_per_round with no
-#     speculation's. Then the engine's host work per round outside the step (0.47 ms at c = 256, about a quarter of the
+#     First, though, the code50m command at c = 256 64 (the thirty-second session's seven device calls got no machine):
+#     after 32 plain rounds in a row hardware-aware's admissions skip the prompts' drafter context (the admission part
+#     of c = 64's gap, about 2 %; a drafter without its prompt kept 97 % of its τ on the CPU:
+#     drafter_context_reach_cpu.json, docs/serving_measurements.md) and a full pending context forgets its older half
+#     instead of a flush (the step part, about 2 %): compare its admit_ms_per_round and step_ms_per_round with no
+#     speculation's (serving_static_code50m_host_context_h200.json: +0.017 and +0.015 ms at c = 64); each cell's
+#     admitted_without_prompt_context says how many requests joined so. Then the engine's host work per round outside the step (0.47 ms at c = 256, about a quarter of the
 #     round) and its admission (0.75 ms per round at c = 256).
 set -uo pipefail
 # SERVING_TIMEOUT=S stops the benchmark after S seconds (results are saved after every concurrency); 0: no limit.
