@@ -136,7 +136,7 @@
 #     3. the 4B command (twenty-fifth session's) at c = 128 and 32 with direct graphs, against
 #        serving_static_4b_key_bounds*_h200.json; `round_speed.py --model qwen3-8b-shape --methods
 #        plain_static_compiled dspark_static_compiled` (8B's entry predates direct graphs).
-#     First, though, the code50m command at c = 256 64 (the thirty-second session's seven device calls got no machine):
+#     First, though, the code50m command at c = 256 64 (in the thirty-second session no machine started: nine tries):
 #     after 32 plain rounds in a row hardware-aware's admissions skip the prompts' drafter context (the admission part
 #     of c = 64's gap, about 2 %; a drafter without its prompt kept 97 % of its τ on the CPU:
 #     drafter_context_reach_cpu.json, docs/serving_measurements.md) and a full pending context forgets its older half

@@ -184,6 +184,7 @@ class StaticBatchRounds:
         # target features a row may hold pending for the drafter (`features`): a drafting round reads the first γ + 1,
         # plain rounds append up to `window`, which `flush()` writes into the drafter cache
         self.window = self.width if context_window is None else max(context_window, self.width)
+        self.kept_on_forgetting = self.window // 2  # of a full pending context, by `forget_old_context`
         long = dict(dtype=torch.long, device=device)
         self.pad = torch.zeros(batch_size, **long)  # left padding: row b's column c is its position c - pad_b
         self.anchor = torch.zeros(batch_size, **long)  # the last committed token, not yet in the target cache
@@ -310,7 +311,7 @@ class StaticBatchRounds:
         self._rounds_by_kind["flush"]()
 
     def forget_old_context(self) -> None:
-        """Instead of `flush()`: keeps each row's last `window // 2` pending features and forgets the older ones,
+        """Instead of `flush()`: keeps each row's last `kept_on_forgetting` pending features and forgets the older ones,
         which the drafter then never sees (its drafting rounds see the row from the first kept column on), in one
         gather (compiled like `compiled`). For long runs of plain rounds: no drafter forward, as a flush runs."""
         if "forget" not in self._rounds_by_kind:
@@ -318,7 +319,7 @@ class StaticBatchRounds:
         self._rounds_by_kind["forget"]()
 
     def _forget_old_context(self) -> None:
-        kept = self.window // 2
+        kept = self.kept_on_forgetting
         forgotten = (self.column - self.context_column - kept).clamp(min=0)  # [B]: 0 where at most `kept` are pending
         entries = (forgotten[:, None] + torch.arange(kept, device=forgotten.device)).clamp(max=self.window - 1)
         features = self.features.gather(1, entries[:, :, None].expand(-1, -1, self.features.shape[-1]))

@@ -358,15 +358,15 @@ class StaticRows:
             kind = "greedy" if not any(self.sampled) else "filtered" if any(self.filtered) else "sampled"
             captured = (count, kind, verify) in self.warmed
             fullest = max(self.pending)  # (free rows hold 0)
-            if rounds.must_flush(verify, fullest) and verify == 0 and self._in_a_long_plain_run():
-                rounds.forget_old_context()  # no drafter forward: each row's pending context drops its older half
-                kept = rounds.window // 2
-                self.pending = [min(pending, kept) for pending in self.pending]
-                captured = captured and (count, "forget", 0) in self.warmed
-            elif rounds.must_flush(verify, fullest):
-                rounds.flush()  # the pending context into the drafter cache
-                self.pending = [0] * self.batch_size
-                captured = captured and (count, "flush", 0) in self.warmed
+            if rounds.must_flush(verify, fullest):
+                if verify == 0 and self._in_a_long_plain_run():  # no drafter forward: the older half is forgotten
+                    rounds.forget_old_context()
+                    self.pending = [min(pending, rounds.kept_on_forgetting) for pending in self.pending]
+                    captured = captured and (count, "forget", 0) in self.warmed
+                else:
+                    rounds.flush()  # the pending context into the drafter cache
+                    self.pending = [0] * self.batch_size
+                    captured = captured and (count, "flush", 0) in self.warmed
             if kind == "greedy":
                 rounds.greedy_round(verify)()
             else:
