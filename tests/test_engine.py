@@ -815,9 +815,8 @@ def test_static_engine_compiles_every_graph_at_warm_up_and_none_while_serving():
     """fullgraph=True: `warm_up(widths, sampled=True)` compiles each graph that rounds of those widths can run once:
     per row prefix (all rows, the first alone), plain rounds and γ drafts, greedy and sampled with and without
     top-k / top-p, the flush, the forgetting of old context and the admission chunks (with and without the prompts'
-    drafter context); serving greedy
-    and sampled requests of both widths afterwards compiles nothing more, and the greedy outputs are still the solo
-    greedy ones. (Two widths, one target family: tracing takes about half a minute.)"""
+    drafter context); serving greedy and sampled requests of both widths afterwards compiles nothing more, and the
+    greedy outputs are still the solo greedy ones. (Two widths, one target family: tracing takes about half a minute.)"""
     from test_static_loop import counting_backend
 
     target = make_bigram_like(tiny_target("qwen3", vocab_size=VOCAB_SIZE, eos_token_id=EOS))
@@ -829,8 +828,9 @@ def test_static_engine_compiles_every_graph_at_warm_up_and_none_while_serving():
                           default_sampling={"temperature": 0})
     widths = (0, drafter.config.num_draft_slots)
     graphs = engine.warm_up(widths, sampled=True, progress=False)
-    # prefixes 1 and 2; three kinds; flushes and forgetting; the admission chunk with and without the prompts' drafter
-    assert graphs == 2 * len(widths) * 3 + 2 * 2 + 2 == len(compilations)  # context
+    # prefixes 1 and 2: three kinds, the flush and the forgetting; the admission chunk with and without the prompts'
+    # drafter context
+    assert graphs == 2 * len(widths) * 3 + 2 * 2 + 2 == len(compilations)
     engine.runner.chooser = RandomWidths(widths, seed=2, plain_share=0.5)
     rng = random.Random(3)
     serve_exactly(engine, target, rng, 5, 10, (10, 30))

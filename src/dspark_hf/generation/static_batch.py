@@ -306,17 +306,19 @@ class StaticBatchRounds:
     def flush(self) -> None:
         """Writes every row's pending drafter context (the target features from `context_column` up to its anchor's
         column) into the drafter cache and empties it (compiled like `compiled`)."""
-        if "flush" not in self._rounds_by_kind:
-            self._rounds_by_kind["flush"] = self._compiled(self._flush_context)
-        self._rounds_by_kind["flush"]()
+        self._run_compiled("flush", self._flush_context)
 
     def forget_old_context(self) -> None:
         """Instead of `flush()`: keeps each row's last `kept_on_forgetting` pending features and forgets the older ones,
         which the drafter then never sees (its drafting rounds see the row from the first kept column on), in one
         gather (compiled like `compiled`). For long runs of plain rounds: no drafter forward, as a flush runs."""
-        if "forget" not in self._rounds_by_kind:
-            self._rounds_by_kind["forget"] = self._compiled(self._forget_old_context)
-        self._rounds_by_kind["forget"]()
+        self._run_compiled("forget", self._forget_old_context)
+
+    def _run_compiled(self, name: str, function: Callable[[], None]) -> None:
+        """Calls `function` compiled like `compiled`, kept under `name` (its graph captured once)."""
+        if name not in self._rounds_by_kind:
+            self._rounds_by_kind[name] = self._compiled(function)
+        self._rounds_by_kind[name]()
 
     def _forget_old_context(self) -> None:
         kept = self.kept_on_forgetting
