@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import itertools
 import random
+import time
 import types
 import weakref
 
@@ -544,7 +545,7 @@ class RecordingWidths(RandomWidths):
 
     def __init__(self, widths, seed: int):
         super().__init__(widths, seed)
-        self.calls, self.captured = [], []
+        self.calls, self.captured, self.seconds = [], [], []
 
     def choose(self, rows: int = 0) -> int:
         width = super().choose(rows)
@@ -554,6 +555,7 @@ class RecordingWidths(RandomWidths):
     def record(self, width: int, seconds: float, accepted: list[int], rows: int = 0, captured: bool = False) -> None:
         self.calls.append(("record", width, rows, list(accepted)))
         self.captured.append(captured)
+        self.seconds.append(seconds)
 
 
 def test_static_engine_calls_its_chooser_while_the_device_runs_a_round(models):
@@ -587,6 +589,36 @@ def test_static_engine_calls_its_chooser_while_the_device_runs_a_round(models):
         assert planned[0] == "choose" and planned[2] == rows
     assert next(calls) == records[-1] and next(calls, None) is None
     assert fresh == [4, 2, 1]
+
+
+def test_static_engine_times_each_round_whole_for_its_chooser_less_admissions(models, monkeypatch):
+    """The chooser gets a round's whole time: from its start to the next round's start, the host's work between
+    them included (here 30 ms of it after every round) and the admissions between them left out (here one that
+    takes 300 ms); the last round's, until its rows leave."""
+    target, drafter = models
+    engine = DSparkEngine(target, drafter, max_batch_size=2, max_model_len=96, static=True, policy="hardware_aware",
+                          default_sampling={"temperature": 0})
+    chooser = engine.runner.chooser = RecordingWidths(engine.runner.chooser.widths, seed=2)
+    admit = engine.runner.admission.admit
+
+    def slow_admit(*args, **kwargs):
+        time.sleep(0.3)
+        return admit(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner.admission, "admit", slow_admit)
+    engine.add_request([5, 6, 7], max_tokens=24, ignore_eos=True)
+    rounds = 0
+    while engine.has_unfinished():
+        if rounds == 3:  # joins by the (slow) chunked admission: the engine has started
+            engine.add_request([8, 9], max_tokens=8, ignore_eos=True)
+        engine.step()
+        rounds += 1
+        time.sleep(0.03)
+    steps = [entry["step_seconds"] for entry in engine.round_log]
+    assert len(chooser.seconds) == len(steps) == rounds > 5
+    for seconds, step in zip(chooser.seconds[:-1], steps):  # (a round's step in the log also holds its choice, µs)
+        assert step + 0.025 <= seconds < step + 0.25
+    assert 0 < chooser.seconds[-1] < steps[-1] + 0.025
 
 
 def test_static_engine_tells_its_chooser_which_rounds_replay_graphs_warm_up_ran(models):

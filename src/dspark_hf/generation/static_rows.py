@@ -136,6 +136,8 @@ class StaticRows:
                              f"{None if chooser is None else chooser.widths}.")
         self.verify, self.chooser = verify, chooser
         self._unrecorded: tuple | None = None  # the last round, for `chooser.record` during the next one
+        self._last_round_started = 0.0  # (time.perf_counter())
+        self._admission_seconds = 0.0  # spent in `add` since the last round started
         self._planned: tuple[int, int] | None = None  # (rows, width): the next round's width, chosen during this one
 
     @property
@@ -194,6 +196,7 @@ class StaticRows:
             raise RuntimeError(f"{len(rows)} requests for {len(free)} free rows.")
         if len(free) == self.batch_size:  # idle until now: the models may have moved since the last requests
             self.keep_graphs_valid()
+        began = time.perf_counter()
         rounds, first = self.rounds, {}
         prompt_context = not self._in_a_long_plain_run()
         if not prompt_context and self.rounds.drafter is not None and self.started:
@@ -224,6 +227,7 @@ class StaticRows:
                 self._owners_changed()
         for row in rows:
             row.ids.append(first[id(row)])
+        self._admission_seconds += time.perf_counter() - began
         return [[first[id(row)]] for row in rows]
 
     def keep_graphs_valid(self) -> None:
@@ -328,12 +332,19 @@ class StaticRows:
             self._owners_changed()
             self._set_sampling(freed, None)
         if not self.occupied:  # no next round to record the last one during, nor to use a choice made before it
-            self._record_last_round()
+            self._record_last_round(self._round_seconds(time.perf_counter()))
             self._planned = None
 
-    def _record_last_round(self) -> None:
+    def _round_seconds(self, until: float) -> float:
+        """The last round's whole time: from its start `until` (the next round's start), less the admissions since.
+        The host's work on a round's tokens (each row's bookkeeping, streaming, stop checks) comes after the device's
+        and costs every round alike; the chooser's times leaving it out undervalued rounds that commit more tokens."""
+        return until - self._last_round_started - self._admission_seconds
+
+    def _record_last_round(self, seconds: float) -> None:
         if self._unrecorded is not None:
-            self.chooser.record(*self._unrecorded)
+            width, accepted, rows, captured = self._unrecorded
+            self.chooser.record(width, seconds, accepted, rows, captured)
             self._unrecorded = None
 
     @torch.no_grad()
@@ -352,6 +363,8 @@ class StaticRows:
         else:  # the first round, or the number of rows changed since the choice (the chooser counted that one as a
             verify = self.chooser.choose(count)  # round of the other number: a refresh due there may be skipped once)
         started = time.perf_counter()
+        last_round = self._round_seconds(started)
+        self._last_round_started, self._admission_seconds = started, 0.0
         # (the whole round: one graph, whose replay needs neither the kernels' context nor the tap: the rounds enter
         # them only where their Python runs)
         with self._part("verify_forward"):
@@ -371,12 +384,11 @@ class StaticRows:
                 rounds.greedy_round(verify)()
             else:
                 self._sampled_round(rounds, verify, filtered=kind == "filtered")
-            if self.chooser is not None:  # while the device runs this round: the last round's times and
-                self._record_last_round()  # acceptance, then the next round's width (if it runs as many rows)
+            if self.chooser is not None:  # while the device runs this round: the last round's time and acceptance,
+                self._record_last_round(last_round)  # then the next round's width (if it runs as many rows)
                 self._planned = (count, self.chooser.choose(count))
             # the round's one synchronisation: accepted drafts and the up to verify + 1 tokens committed, per row
             record = rounds.record[:, : verify + 2].tolist()
-        seconds = time.perf_counter() - started
         committed, accepted_drafts = [], []
         owner, pending = self.owner, self.pending
         for index in occupied:  # (every running row, every round: plain list operations only)
@@ -395,7 +407,7 @@ class StaticRows:
         self.drafted_last_round = verify > 0
         self.plain_rounds_in_a_row = 0 if verify else self.plain_rounds_in_a_row + 1
         if self.chooser is not None:  # recorded during the next round (whose width was chosen without it)
-            self._unrecorded = (verify, seconds, accepted_drafts, count, captured)
+            self._unrecorded = (verify, accepted_drafts, count, captured)
         return committed
 
     def _sampled_round(self, rounds: StaticBatchRounds, verify: int, filtered: bool) -> None:
