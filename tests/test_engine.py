@@ -848,7 +848,8 @@ def test_static_engine_compiles_every_graph_at_warm_up_and_none_while_serving():
     per row prefix (all rows, the first alone), plain rounds and γ drafts, greedy and sampled with and without
     top-k / top-p, the flush, the forgetting of old context and the admission chunks (with and without the prompts'
     drafter context); serving greedy and sampled requests of both widths afterwards compiles nothing more, and the
-    greedy outputs are still the solo greedy ones. (Two widths, one target family: tracing takes about half a minute.)"""
+    greedy outputs are still the solo greedy ones. (Two widths, one target family: tracing takes about half a
+    minute.)"""
     from test_static_loop import counting_backend
 
     target = make_bigram_like(tiny_target("qwen3", vocab_size=VOCAB_SIZE, eos_token_id=EOS))
