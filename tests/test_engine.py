@@ -591,10 +591,10 @@ def test_static_engine_calls_its_chooser_while_the_device_runs_a_round(models):
     assert fresh == [4, 2, 1]
 
 
-def test_static_engine_times_each_round_whole_for_its_chooser_less_admissions(models, monkeypatch):
-    """The chooser gets a round's whole time: from its start to the next round's start, the host's work between
-    them included (here 30 ms of it after every round) and the admissions between them left out (here one that
-    takes 300 ms); the last round's, until its rows leave."""
+def test_static_engine_times_each_round_with_its_delivery_for_its_chooser(models, monkeypatch):
+    """The chooser gets a round's whole time: from its start until its tokens are delivered, the host's work on them
+    included (here each request's `on_token` takes 20 ms), and neither the admissions before the next round (here
+    one that takes 300 ms) nor whatever runs between the engine's steps (here 50 ms)."""
     target, drafter = models
     engine = DSparkEngine(target, drafter, max_batch_size=2, max_model_len=96, static=True, policy="hardware_aware",
                           default_sampling={"temperature": 0})
@@ -606,19 +606,19 @@ def test_static_engine_times_each_round_whole_for_its_chooser_less_admissions(mo
         return admit(*args, **kwargs)
 
     monkeypatch.setattr(engine.runner.admission, "admit", slow_admit)
-    engine.add_request([5, 6, 7], max_tokens=24, ignore_eos=True)
+    streaming = dict(ignore_eos=True, on_token=lambda request_id, tokens: time.sleep(0.02))
+    engine.add_request([5, 6, 7], max_tokens=24, **streaming)
     rounds = 0
     while engine.has_unfinished():
         if rounds == 3:  # joins by the (slow) chunked admission: the engine has started
-            engine.add_request([8, 9], max_tokens=8, ignore_eos=True)
+            engine.add_request([8, 9], max_tokens=8, **streaming)
         engine.step()
         rounds += 1
-        time.sleep(0.03)
-    steps = [entry["step_seconds"] for entry in engine.round_log]
-    assert len(chooser.seconds) == len(steps) == rounds > 5
-    for seconds, step in zip(chooser.seconds[:-1], steps):  # (a round's step in the log also holds its choice, µs)
-        assert step + 0.025 <= seconds < step + 0.25
-    assert 0 < chooser.seconds[-1] < steps[-1] + 0.025
+        time.sleep(0.05)
+    assert len(chooser.seconds) == len(engine.round_log) == rounds > 5
+    for seconds, entry in zip(chooser.seconds, engine.round_log):  # (the log's step also holds a choice: µs)
+        delivery = 0.02 * entry["batch"]
+        assert entry["step_seconds"] + delivery - 0.005 <= seconds < entry["step_seconds"] + delivery + 0.04
 
 
 def test_static_engine_tells_its_chooser_which_rounds_replay_graphs_warm_up_ran(models):

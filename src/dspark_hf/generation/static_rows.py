@@ -136,8 +136,7 @@ class StaticRows:
                              f"{None if chooser is None else chooser.widths}.")
         self.verify, self.chooser = verify, chooser
         self._unrecorded: tuple | None = None  # the last round, for `chooser.record` during the next one
-        self._last_round_started = 0.0  # (time.perf_counter())
-        self._admission_seconds = 0.0  # spent in `add` since the last round started
+        self._last_round_started = self._round_ended = 0.0  # (time.perf_counter())
         self._planned: tuple[int, int] | None = None  # (rows, width): the next round's width, chosen during this one
 
     @property
@@ -196,7 +195,6 @@ class StaticRows:
             raise RuntimeError(f"{len(rows)} requests for {len(free)} free rows.")
         if len(free) == self.batch_size:  # idle until now: the models may have moved since the last requests
             self.keep_graphs_valid()
-        began = time.perf_counter()
         rounds, first = self.rounds, {}
         prompt_context = not self._in_a_long_plain_run()
         if not prompt_context and self.rounds.drafter is not None and self.started:
@@ -227,7 +225,6 @@ class StaticRows:
                 self._owners_changed()
         for row in rows:
             row.ids.append(first[id(row)])
-        self._admission_seconds += time.perf_counter() - began
         return [[first[id(row)]] for row in rows]
 
     def keep_graphs_valid(self) -> None:
@@ -332,14 +329,20 @@ class StaticRows:
             self._owners_changed()
             self._set_sampling(freed, None)
         if not self.occupied:  # no next round to record the last one during, nor to use a choice made before it
-            self._record_last_round(self._round_seconds(time.perf_counter()))
+            self._record_last_round(self._round_seconds())
             self._planned = None
 
-    def _round_seconds(self, until: float) -> float:
-        """The last round's whole time: from its start `until` (the next round's start), less the admissions since.
-        The host's work on a round's tokens (each row's bookkeeping, streaming, stop checks) comes after the device's
-        and costs every round alike; the chooser's times leaving it out undervalued rounds that commit more tokens."""
-        return until - self._last_round_started - self._admission_seconds
+    def finish_round(self) -> None:
+        """Tells that the last round's tokens are delivered (streamed, checked for stops): its time for the chooser ends
+        here rather than when `step` returned."""
+        self._round_ended = time.perf_counter()
+
+    def _round_seconds(self) -> float:
+        """The last round's whole time: from its start to the end of `step` or, later, `finish_round`. The host's work
+        on a round's tokens (each row's bookkeeping, streaming, stop checks) comes after the device's and costs every
+        round alike; the chooser's times leaving it out undervalued rounds that commit more tokens. (Admissions, and
+        whatever runs between the engine's steps, fall outside.)"""
+        return self._round_ended - self._last_round_started
 
     def _record_last_round(self, seconds: float) -> None:
         if self._unrecorded is not None:
@@ -363,8 +366,8 @@ class StaticRows:
         else:  # the first round, or the number of rows changed since the choice (the chooser counted that one as a
             verify = self.chooser.choose(count)  # round of the other number: a refresh due there may be skipped once)
         started = time.perf_counter()
-        last_round = self._round_seconds(started)
-        self._last_round_started, self._admission_seconds = started, 0.0
+        last_round = self._round_seconds()
+        self._last_round_started = started
         # (the whole round: one graph, whose replay needs neither the kernels' context nor the tap: the rounds enter
         # them only where their Python runs)
         with self._part("verify_forward"):
@@ -408,6 +411,7 @@ class StaticRows:
         self.plain_rounds_in_a_row = 0 if verify else self.plain_rounds_in_a_row + 1
         if self.chooser is not None:  # recorded during the next round (whose width was chosen without it)
             self._unrecorded = (verify, accepted_drafts, count, captured)
+        self._round_ended = time.perf_counter()
         return committed
 
     def _sampled_round(self, rounds: StaticBatchRounds, verify: int, filtered: bool) -> None:

@@ -408,7 +408,10 @@ class DSparkEngine:
                                        holes=state.hole_fraction(), seconds=now - started,
                                        admit_seconds=admitted_at - started, step_seconds=now - admitted_at,
                                        ended=now))
-            self.runner.remove(self._deliver(rows, committed))
+            done = self._deliver(rows, committed)
+            if isinstance(self.runner, StaticRows):
+                self.runner.finish_round()  # (the round's time for its width chooser ends with the delivery)
+            self.runner.remove(done)
         self.join_gate.record(len(admitted), admitted_at - started, now - admitted_at)
 
     def round_profile(self) -> dict[str, float]:
