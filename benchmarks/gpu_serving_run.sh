@@ -132,18 +132,16 @@
 #     returns at most eight files, so write fewer or split):
 #     1. `python -m pytest -q -p no:hypothesispytest -n 0 tests/test_cuda_graphs.py` (the whole file, with the
 #        replays outside the kernels' context);
-#     2. this script's code50m command at c = 16 4 and at 128 32 (direct graphs, the default);
+#     2. this script's code50m command at c = 4 1 and 32 (direct graphs; 16-256 ran in the thirty-third session);
 #     3. the 4B command (twenty-fifth session's) at c = 128 and 32 with direct graphs, against
 #        serving_static_4b_key_bounds*_h200.json; `round_speed.py --model qwen3-8b-shape --methods
 #        plain_static_compiled dspark_static_compiled` (8B's entry predates direct graphs).
-#     First, though, the code50m command at c = 256 64 (in the thirty-second session no machine started: nine tries):
-#     after 32 plain rounds in a row hardware-aware's admissions skip the prompts' drafter context (the admission part
-#     of c = 64's gap, about 2 %; a drafter without its prompt kept 97 % of its τ on the CPU:
-#     drafter_context_reach_cpu.json, docs/serving_measurements.md) and a full pending context forgets its older half
-#     instead of a flush (the step part, about 2 %): compare its admit_ms_per_round and step_ms_per_round with no
-#     speculation's (serving_static_code50m_host_context_h200.json: +0.017 and +0.015 ms at c = 64); each cell's
-#     admitted_without_prompt_context says how many requests joined so. Then the engine's host work per round outside the step (0.47 ms at c = 256, about a quarter of the
-#     round) and its admission (0.75 ms per round at c = 256).
+#     First, though, the code50m command at c = 64 16 (then 256 128, 4 1) with the chooser timing each round until
+#     its delivery (bf4e130; thirty-third session: no device time left to measure it). On the H100 the two upkeep cuts
+#     closed the admission gap (serving_static_code50m_forget_h100_*.json); the question now is whether hardware-aware
+#     drafts at c = 16 (fixed γ = 7 best) and which width it takes at c = 64-128, where plain and γ = 3 tied. A fresh
+#     machine compiles slowly (c = 64's no_spec warm-up 27 s, fixed_3 51 s, against 9 and 17 s warm): give a call
+#     of one concurrency at least 200 s.
 set -uo pipefail
 # SERVING_TIMEOUT=S stops the benchmark after S seconds (results are saved after every concurrency); 0: no limit.
 export PYTHONPATH=${DSPARK_SRC:-src}
