@@ -594,7 +594,7 @@ def test_static_engine_calls_its_chooser_while_the_device_runs_a_round(models):
 def test_static_engine_times_each_round_with_its_delivery_for_its_chooser(models, monkeypatch):
     """The chooser gets a round's whole time: from its start until its tokens are delivered, the host's work on them
     included (here each request's `on_token` takes 20 ms), and neither the admissions before the next round (here
-    one that takes 300 ms) nor whatever runs between the engine's steps (here 50 ms)."""
+    one that takes 300 ms) nor whatever runs between the engine's steps (here 200 ms)."""
     target, drafter = models
     engine = DSparkEngine(target, drafter, max_batch_size=2, max_model_len=96, static=True, policy="hardware_aware",
                           default_sampling={"temperature": 0})
@@ -614,11 +614,11 @@ def test_static_engine_times_each_round_with_its_delivery_for_its_chooser(models
             engine.add_request([8, 9], max_tokens=8, **streaming)
         engine.step()
         rounds += 1
-        time.sleep(0.05)
+        time.sleep(0.2)
     assert len(chooser.seconds) == len(engine.round_log) == rounds > 5
     for seconds, entry in zip(chooser.seconds, engine.round_log):  # (the log's step also holds a choice: µs)
         delivery = 0.02 * entry["batch"]
-        assert entry["step_seconds"] + delivery - 0.005 <= seconds < entry["step_seconds"] + delivery + 0.04
+        assert entry["step_seconds"] + delivery - 0.005 <= seconds < entry["step_seconds"] + delivery + 0.1
 
 
 def test_static_engine_tells_its_chooser_which_rounds_replay_graphs_warm_up_ran(models):

@@ -7,16 +7,15 @@ round, the v with the most expected committed tokens per second,
 
     (1 + S_1 + ... + S_v) / t(v),
 
-where t(v) is v's round time (the engine times a round whole, until its tokens are delivered: the host's work on
-them costs every round alike, and leaving it out undervalued the wider widths) and
-S_j the probability that a row accepts its first j drafts, estimated from every verified draft of recent rounds
-(hazards h_j = P(draft j accepted | drafts < j were), S_j = h_1 ... h_j; counts decay
-so that the estimate follows the text). A plain round commits one token per row. A comparison draws each h_j from its
-Beta posterior (the decayed counts on a uniform prior; Thompson sampling) rather than taking its mean: with many rows
-per round the draws barely move, but with one row a round the drafts beyond the chosen width are verified only by
-the other widths' occasional rounds, and means resting on those few rows held the choice below the best width (in
-replays of the GPU's round logs, 0.86-0.92 of the best fixed width in some seeds at c = 1; drawn, such a width keeps
-its chance to be tried until its own rounds tell).
+where t(v) is v's round time (the engine times a round whole, until its tokens are delivered: the host's work on them
+costs every round alike, and leaving it out undervalued the wider widths) and S_j the probability that a row accepts its
+first j drafts, estimated from every verified draft of recent rounds (hazards h_j = P(draft j accepted | drafts < j
+were), S_j = h_1 ... h_j; counts decay so that the estimate follows the text). A plain round commits one token per row.
+A comparison draws each h_j from its Beta posterior (the decayed counts on a uniform prior; Thompson sampling) rather
+than taking its mean: with many rows per round the draws barely move, but with one row a round the drafts beyond the
+chosen width are verified only by the other widths' occasional rounds, and means resting on those few rows held the
+choice below the best width (in replays of the GPU's round logs, 0.86-0.92 of the best fixed width in some seeds at
+c = 1; drawn, such a width keeps its chance to be tried until its own rounds tell).
 
 Round times drift: on the H200 machine every width's rounds slowed by a fifth within a few seconds, while a width
 that is not chosen runs only now and then. So only the chosen width's time is kept as such (the median of its last
