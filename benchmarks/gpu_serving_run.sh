@@ -128,20 +128,22 @@
 #     256 --new-tokens 96 --profile-rounds 32` (plain_round_tax_code50m_before_h200.json); after the replays stopped
 #     entering the kernels' context, the same profile (..._after_h200.json) and this script's code50m command at
 #     c = 256 64 with SERVING_TIMEOUT=370 OUT=$OUT/s (one call, 320 s): serving_static_code50m_host_context_h200.*.
+# Thirty-fourth session (library 840af9f, one H100): the delivery-timed chooser at c = 64 16 (302 s), 256 128 (243 s),
+#     4 1 (282 s) with the code50m command below, then the 4B command at c = 32 alone (508 s; 447 s of warm-up):
+#     serving_static_code50m_delivery_timed_h100_*.{json,png,log}, serving_static_4b_delivery_timed_h100_c32.*.
 # Next (one call each, carry_sched; move demo_models/, drafters/ and benchmarks/results/ aside first; a device call
 #     returns at most eight files, so write fewer or split):
-#     1. `python -m pytest -q -p no:hypothesispytest -n 0 tests/test_cuda_graphs.py` (the whole file, with the
-#        replays outside the kernels' context);
-#     2. this script's code50m command at c = 4 1 and 32 (direct graphs; 16-256 ran in the thirty-third session);
-#     3. the 4B command (twenty-fifth session's) at c = 128 and 32 with direct graphs, against
-#        serving_static_4b_key_bounds*_h200.json; `round_speed.py --model qwen3-8b-shape --methods
-#        plain_static_compiled dspark_static_compiled` (8B's entry predates direct graphs).
-#     First, though, the code50m command at c = 64 16 (then 256 128, 4 1) with the chooser timing each round until
-#     its delivery (bf4e130; thirty-third session: no device time left to measure it). On the H100 the two upkeep cuts
-#     closed the admission gap (serving_static_code50m_forget_h100_*.json); the question now is whether hardware-aware
-#     drafts at c = 16 (fixed γ = 7 best) and which width it takes at c = 64-128, where plain and γ = 3 tied. A fresh
-#     machine compiles slowly (c = 64's no_spec warm-up 27 s, fixed_3 51 s, against 9 and 17 s warm): give a call
-#     of one concurrency at least 200 s.
+#     1. the code50m command with longer runs: its cells' runs lasted 0.2-0.7 s at c = 16-256 and no speculation's
+#        own runs spread by up to 14 %, more than the 1-3 % between the policies. Same arguments with
+#        --requests-per-slot 16 (c >= 16) or 64 (c = 4, 1); compilation (10-40 s per engine) dominates a call anyway:
+#        SERVING_TIMEOUT=450 OUT=$OUT bash benchmarks/gpu_serving_run.sh --model code50m --static
+#        --graph-sizes-per-cell 1 --max-new-tokens 64 --repeats 3 --no-paged --policies no_spec fixed_3 fixed_7
+#        hardware_aware --requests-per-slot 16 --min-requests 64 --admission-rows 16 --eager-admission-from 100000
+#        --concurrency 64 16 --out $OUT/cells.json   (then 256 128; then 4 1 with --requests-per-slot 64)
+#     2. `python -m pytest -q -p no:hypothesispytest -n 0 tests/test_cuda_graphs.py` (the whole file);
+#     3. the 4B command at c = 128 (c = 32 ran in the thirty-fourth session: 1.003 x the best);
+#        `round_speed.py --model qwen3-8b-shape --methods plain_static_compiled dspark_static_compiled`.
+#     A fresh machine compiles slowly: give a call of one concurrency at least 200 s.
 set -uo pipefail
 # SERVING_TIMEOUT=S stops the benchmark after S seconds (results are saved after every concurrency); 0: no limit.
 export PYTHONPATH=${DSPARK_SRC:-src}
