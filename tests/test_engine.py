@@ -621,49 +621,10 @@ def test_static_engine_times_each_round_with_its_delivery_for_its_chooser(models
         assert entry["step_seconds"] + delivery - 0.005 <= seconds < entry["step_seconds"] + delivery + 0.1
 
 
-class ScriptedWidths(RecordingWidths):
-    """RecordingWidths that chooses `schedule`'s widths in turn (its last one from then on)."""
-
-    def __init__(self, widths, schedule: list[int]):
-        super().__init__(widths, seed=0)
-        self.schedule = schedule
-
-    def choose(self, rows: int = 0) -> int:
-        width = self.schedule.pop(0) if len(self.schedule) > 1 else self.schedule[0]
-        self.calls.append(("choose", width, rows))
-        return width
-
-
-def test_static_engine_flushes_the_drafters_context_outside_the_time_its_chooser_gets(models, monkeypatch):
-    """A drafting round after plain rounds first writes their pending context into the drafter cache (a flush): a
-    cost of switching, which drafting rounds in a run of them never pay, so it stays out of the round's time for the
-    chooser (here a flush takes 300 ms; rounds take milliseconds). Output unchanged: equal to solo greedy decoding."""
-    target, drafter = models
-    engine = DSparkEngine(target, drafter, max_batch_size=1, max_model_len=96, static=True, policy="hardware_aware",
-                          default_sampling={"temperature": 0})
-    widths = engine.runner.chooser.widths
-    chooser = engine.runner.chooser = ScriptedWidths(widths, [0] * 8 + [widths[-1]])
-    flush, flushes = engine.runner.rounds.flush, []
-
-    def slow_flush():
-        flushes.append(len(chooser.seconds))
-        time.sleep(0.3)
-        flush()
-
-    monkeypatch.setattr(engine.runner.rounds, "flush", slow_flush)
-    request = engine.add_request([5, 6, 7], max_tokens=24, ignore_eos=True)
-    outputs = engine.run()
-    assert flushes and len(chooser.seconds) == len(engine.round_log) > 9
-    assert max(chooser.seconds) < 0.2, chooser.seconds
-    assert [width for call, width, *_ in chooser.calls if call == "record"][:9] == [0] * 8 + [widths[-1]]
-    assert outputs[request.request_id].token_ids == solo(target, [5, 6, 7], 24)
-
-
 def test_static_engine_tells_its_chooser_which_rounds_replay_graphs_warm_up_ran(models):
     """`warm_up()` runs each graph `WARM_UP_CALLS` times (compiled: the last call captures it), so the chooser may
-    time those rounds from the first: a greedy round of a warmed width and row prefix (with its forgetting of old
-    context; a flush runs before the round's time) is recorded as captured; sampled rounds (not warmed here) and
-    every round of an engine that never warmed up are not."""
+    time those rounds from the first: a greedy round of a warmed width and row prefix, with its flush, is recorded
+    as captured; sampled rounds (not warmed here) and every round of an engine that never warmed up are not."""
     target, drafter = models
     captured = {}
     for warm in (True, False):

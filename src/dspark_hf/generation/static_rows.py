@@ -24,7 +24,6 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from ..devices import synchronize
 from ..models import DSparkDraftModel
 from ..scheduling import RoundWidthChooser
 from ..tensor_ops import argmax_last
@@ -366,10 +365,6 @@ class StaticRows:
             verify = planned[1]
         else:  # the first round, or the number of rows changed since the choice (the chooser counted that one as a
             verify = self.chooser.choose(count)  # round of the other number: a refresh due there may be skipped once)
-        upkeep = rounds.must_flush(verify, max(self.pending))  # (free rows hold 0)
-        forgets = upkeep and verify == 0 and self._in_a_long_plain_run()
-        if upkeep and not forgets:
-            self._flush(rounds)
         started = time.perf_counter()
         last_round = self._round_seconds()
         self._last_round_started = started
@@ -378,10 +373,16 @@ class StaticRows:
         with self._part("verify_forward"):
             kind = "greedy" if not any(self.sampled) else "filtered" if any(self.filtered) else "sampled"
             captured = (count, kind, verify) in self.warmed
-            if forgets:  # no drafter forward: the older half of each full pending context is forgotten
-                rounds.forget_old_context()
-                self.pending = [min(pending, rounds.kept_on_forgetting) for pending in self.pending]
-                captured = captured and (count, "forget", 0) in self.warmed
+            fullest = max(self.pending)  # (free rows hold 0)
+            if rounds.must_flush(verify, fullest):
+                if verify == 0 and self._in_a_long_plain_run():  # no drafter forward: the older half is forgotten
+                    rounds.forget_old_context()
+                    self.pending = [min(pending, rounds.kept_on_forgetting) for pending in self.pending]
+                    captured = captured and (count, "forget", 0) in self.warmed
+                else:
+                    rounds.flush()  # the pending context into the drafter cache
+                    self.pending = [0] * self.batch_size
+                    captured = captured and (count, "flush", 0) in self.warmed
             if kind == "greedy":
                 rounds.greedy_round(verify)()
             else:
@@ -412,19 +413,6 @@ class StaticRows:
             self._unrecorded = (verify, accepted_drafts, count, captured)
         self._round_ended = time.perf_counter()
         return committed
-
-    def _flush(self, rounds: StaticBatchRounds) -> None:
-        """Writes the rows' pending context into the drafter cache before a round that needs it, outside that round's
-        time (with a chooser the device finishes the flush first). A drafting round flushes only after plain rounds (a
-        refresh of a drafting width while plain rounds are the choice, or a change to drafting): a cost of switching,
-        which drafting rounds in a run never pay. Timed with the round, it made every such refresh look dearer than
-        its width is and kept plain rounds chosen. (Forgetting old context in a long run of plain rounds stays in
-        the round's time: those plain rounds pay it every few rounds.)"""
-        with self._part("verify_forward"):
-            rounds.flush()
-            self.pending = [0] * self.batch_size
-            if self.chooser is not None:
-                synchronize(rounds.pad.device)
 
     def _sampled_round(self, rounds: StaticBatchRounds, verify: int, filtered: bool) -> None:
         """A round of the sampled graph on `rounds` (a prefix of the rows): noise for the sampled rows (ones for the

@@ -8,8 +8,7 @@ round, the v with the most expected committed tokens per second,
     (1 + S_1 + ... + S_v) / t(v),
 
 where t(v) is v's round time (the engine times a round whole, until its tokens are delivered: the host's work on them
-costs every round alike, and leaving it out undervalued the wider widths; but not the flush of the drafter's context
-that a drafting round after plain ones needs, a cost of switching) and S_j the probability that a row accepts its
+costs every round alike, and leaving it out undervalued the wider widths) and S_j the probability that a row accepts its
 first j drafts, estimated from every verified draft of recent rounds (hazards h_j = P(draft j accepted | drafts < j
 were), S_j = h_1 ... h_j; counts decay so that the estimate follows the text). A plain round commits one token per row.
 A comparison draws each h_j from its Beta posterior (the decayed counts on a uniform prior; Thompson sampling) rather
