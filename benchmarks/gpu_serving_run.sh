@@ -133,10 +133,11 @@
 #     serving_static_code50m_delivery_timed_h100_*.{json,png,log}, serving_static_4b_delivery_timed_h100_c32.*.
 # Next (one call each, carry_sched; move demo_models/, drafters/ and benchmarks/results/ aside first; a device call
 #     returns at most eight files, so write fewer or split):
-#     1. the code50m command with longer runs, at c = 4 1 first (dd0be36 took the drafter-context flush out of the
-#        chooser's round times; it had kept 24 % plain rounds at c = 4): the thirty-fourth session's runs lasted
-#        0.2-0.7 s at c = 16-256 and no speculation's own runs spread by up to 14 %, more than the 1-3 % between the
-#        policies. Same arguments with
+#     1. the code50m command with longer runs and --round-logs $OUT/round_logs.json.gz, at c = 4 and 128 first
+#        (the round logs now name each round's flush or forgetting and its delivery time: what does a flush add to a
+#        refresh of a drafting width, and why did hardware-aware keep 24 % plain rounds at c = 4?): the thirty-fourth
+#        session's runs lasted 0.2-0.7 s at c = 16-256 and no speculation's own runs spread by up to 14 %, more than
+#        the 1-3 % between the policies. Same arguments with
 #        --requests-per-slot 16 (c >= 16) or 64 (c = 4, 1); compilation (10-40 s per engine) dominates a call anyway:
 #        SERVING_TIMEOUT=450 OUT=$OUT bash benchmarks/gpu_serving_run.sh --model code50m --static
 #        --graph-sizes-per-cell 1 --max-new-tokens 64 --repeats 3 --no-paged --policies no_spec fixed_3 fixed_7

@@ -547,14 +547,17 @@ def run_eager_cells(target, drafter, prompts, concurrency: int, chosen: dict[str
     return runs
 
 
-COMPACT_COLUMNS = ["ended_ms", "rows", "admitted", "verify", "accepted", "admit_ms", "step_ms"]
+COMPACT_COLUMNS = ["ended_ms", "rows", "admitted", "verify", "accepted", "admit_ms", "step_ms", "upkeep",
+                   "deliver_ms"]
 
 
 def compact_round_log(log: list[dict], origin: float) -> list[list]:
     """One round per entry: [ms since `origin` at its end, rows, requests admitted, verified drafts (the widest
-    row's), drafts accepted in all, admission ms, draft + verify ms]."""
+    row's), drafts accepted in all, admission ms, draft + verify ms, the drafter-context upkeep the round ran first
+    ("flush", "forget" or None), ms from its end until its tokens were delivered]."""
     return [[round(1e3 * (e["ended"] - origin), 3), e["batch"], e["admitted"], max(e["verify"], default=0),
-             sum(e["accepted"]), round(1e3 * e["admit_seconds"], 4), round(1e3 * e["step_seconds"], 4)] for e in log]
+             sum(e["accepted"]), round(1e3 * e["admit_seconds"], 4), round(1e3 * e["step_seconds"], 4), e["upkeep"],
+             round(1e3 * (e["delivered"] - e["ended"]), 4)] for e in log]
 
 
 def run_static_cells(target, drafter, prompts, concurrency: int, names: list[str], args,

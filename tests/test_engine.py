@@ -619,6 +619,7 @@ def test_static_engine_times_each_round_with_its_delivery_for_its_chooser(models
     for seconds, entry in zip(chooser.seconds, engine.round_log):  # (the log's step also holds a choice: µs)
         delivery = 0.02 * entry["batch"]
         assert entry["step_seconds"] + delivery - 0.005 <= seconds < entry["step_seconds"] + delivery + 0.1
+        assert delivery <= entry["delivered"] - entry["ended"] < delivery + 0.1  # (the round log's delivery too)
 
 
 def test_static_engine_tells_its_chooser_which_rounds_replay_graphs_warm_up_ran(models):
@@ -805,12 +806,15 @@ def test_static_engine_forgets_old_pending_context_instead_of_flushing_in_a_long
     for _ in range(2 * window):  # plain rounds only: a flush at the first full context, forgetting after that
         engine.step()
     assert calls[0] == ("flush", window - span) and all(kind == "forget" for kind, _ in calls[1:]) and len(calls) > 1
+    assert [entry["upkeep"] for entry in engine.round_log if entry["upkeep"]] == [kind for kind, _ in calls]
     assert runner.rounds.drafter_start[0] == runner.rounds.context_column[0] > runner.rounds.pad[0] + 6 + window
     chooser.plain_share = 0.3
-    checked = check_drafts_every_round(runner, target, drafter)
+    checked, plain_phase = check_drafts_every_round(runner, target, drafter), len(calls)
     engine.run()
+    assert any(kind == "flush" for kind, _ in calls[plain_phase:])  # (a drafting round after plain ones)
     assert checked and checked[0] > 6 + window  # drafted without the forgotten columns
     assert handle.tokens == solo(target, handle.prompt_ids, 80)
+    assert [entry["upkeep"] for entry in engine.round_log if entry["upkeep"]] == [kind for kind, _ in calls]
 
 
 def test_static_engine_without_a_drafter_admits_through_its_one_admission_graph(models, monkeypatch):

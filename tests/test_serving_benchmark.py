@@ -115,8 +115,10 @@ def test_static_cells_run_every_policy_on_its_engine(models, graph_sizes_per_cel
     lengths = serving.request_lengths(4, ARGS)
     assert set(logs) == set(names) and all(len(log) == 3 for log in logs.values())  # the warm-up run + 2
     for name in names:
-        ended, rows, admitted, verify, accepted, admit_ms, step_ms = zip(*logs[name][-1])
+        ended, rows, admitted, verify, accepted, admit_ms, step_ms, upkeep, deliver_ms = zip(*logs[name][-1])
         assert len(ended) == runs[name][-1]["rounds"] and list(ended) == sorted(ended) and min(step_ms) > 0
+        kinds = {None, "flush", "forget"} if name == "hardware_aware" else {None}  # (fixed widths never flush)
+        assert min(deliver_ms) > 0 and set(upkeep) <= kinds
         assert sum(admitted) == 4 and sum(accepted) + sum(rows) == runs[name][-1]["generated_tokens"] - 4
         assert set(verify) == {int(k) for k in runs[name][-1]["verify_length_histogram"]}
     for name in names:

@@ -118,6 +118,7 @@ class StaticRows:
         self.vocab_size = target.config.get_text_config().vocab_size
         self.started = False
         self.drafted_last_round = drafter is not None
+        self.upkeep: str | None = None  # the drafter-context upkeep the last round ran first: "flush", "forget", None
         self.plain_rounds_in_a_row = 0  # (PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER)
         self.admitted_without_prompt_context = 0  # requests that joined so, since the engine was made
         self.profiler: RoundProfiler | None = None
@@ -374,15 +375,17 @@ class StaticRows:
             kind = "greedy" if not any(self.sampled) else "filtered" if any(self.filtered) else "sampled"
             captured = (count, kind, verify) in self.warmed
             fullest = max(self.pending)  # (free rows hold 0)
+            self.upkeep = None
             if rounds.must_flush(verify, fullest):
                 if verify == 0 and self._in_a_long_plain_run():  # no drafter forward: the older half is forgotten
                     rounds.forget_old_context()
                     self.pending = [min(pending, rounds.kept_on_forgetting) for pending in self.pending]
-                    captured = captured and (count, "forget", 0) in self.warmed
+                    self.upkeep = "forget"
                 else:
                     rounds.flush()  # the pending context into the drafter cache
                     self.pending = [0] * self.batch_size
-                    captured = captured and (count, "flush", 0) in self.warmed
+                    self.upkeep = "flush"
+                captured = captured and (count, self.upkeep, 0) in self.warmed
             if kind == "greedy":
                 rounds.greedy_round(verify)()
             else:

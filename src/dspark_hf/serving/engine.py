@@ -254,8 +254,9 @@ class DSparkEngine:
         self._cancels: list[Request] = []  # requests whose cancel was asked since the last round (waiting or running)
         # per round: batch, requests admitted, verify lengths, accepted, drafted?, width, holes, seconds (admission and
         # round), admit_seconds (the admitted requests' prefill and first tokens), step_seconds (the draft + verify
-        # round), ended (time.perf_counter() at the round's end); the last ROUND_LOG_ROUNDS rounds (a server runs
-        # hundreds of rounds a second)
+        # round), ended (time.perf_counter() at the round's end), upkeep (static engines: the drafter-context upkeep
+        # the round ran first, "flush" or "forget"; else None), delivered (time.perf_counter() once its tokens are
+        # streamed and checked for stops); the last ROUND_LOG_ROUNDS rounds (a server runs hundreds of rounds a second)
         self.round_log: deque[dict] = deque(maxlen=ROUND_LOG_ROUNDS)
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -403,13 +404,15 @@ class DSparkEngine:
             # Tuples of ints (and then their dict) leave the garbage collector's lists: a full log of lists at 256
             # rows cost every full collection 70-130 ms on the development CPU, of tuples 0.1 ms.
             verify, accepted = tuple([row.drafted[-1] for row in rows]), tuple([row.accepted[-1] for row in rows])
-            self.round_log.append(dict(batch=len(rows), admitted=len(admitted), verify=verify, accepted=accepted,
-                                       speculative=self.runner.drafted_last_round, width=state.width,
-                                       holes=state.hole_fraction(), seconds=now - started,
-                                       admit_seconds=admitted_at - started, step_seconds=now - admitted_at,
-                                       ended=now))
+            static = isinstance(self.runner, StaticRows)
+            entry = dict(batch=len(rows), admitted=len(admitted), verify=verify, accepted=accepted,
+                         speculative=self.runner.drafted_last_round, width=state.width, holes=state.hole_fraction(),
+                         seconds=now - started, admit_seconds=admitted_at - started, step_seconds=now - admitted_at,
+                         ended=now, upkeep=self.runner.upkeep if static else None)
+            self.round_log.append(entry)
             done = self._deliver(rows, committed)
-            if isinstance(self.runner, StaticRows):
+            entry["delivered"] = time.perf_counter()  # (streaming and stop checks done)
+            if static:
                 self.runner.finish_round()  # (the round's time for its width chooser ends with the delivery)
             self.runner.remove(done)
         self.join_gate.record(len(admitted), admitted_at - started, now - admitted_at)
