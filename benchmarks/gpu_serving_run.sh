@@ -137,12 +137,13 @@
 #        (the round logs now name each round's flush or forgetting and its delivery time: what does a flush add to a
 #        refresh of a drafting width, and why did hardware-aware keep 24 % plain rounds at c = 4?): the thirty-fourth
 #        session's runs lasted 0.2-0.7 s at c = 16-256 and no speculation's own runs spread by up to 14 %, more than
-#        the 1-3 % between the policies. Same arguments with
-#        --requests-per-slot 16 (c >= 16) or 64 (c = 4, 1); compilation (10-40 s per engine) dominates a call anyway:
+#        the 1-3 % between the policies. Same arguments with --requests-per-slot 16 (c >= 16) or 64 (c = 4, 1);
+#        compilation (10-40 s per engine) dominates a call anyway:
 #        SERVING_TIMEOUT=450 OUT=$OUT bash benchmarks/gpu_serving_run.sh --model code50m --static
 #        --graph-sizes-per-cell 1 --max-new-tokens 64 --repeats 3 --no-paged --policies no_spec fixed_3 fixed_7
 #        hardware_aware --requests-per-slot 16 --min-requests 64 --admission-rows 16 --eager-admission-from 100000
-#        --concurrency 64 16 --out $OUT/cells.json   (then 256 128; then 4 1 with --requests-per-slot 64)
+#        --concurrency 128 --round-logs $OUT/round_logs.json.gz --out $OUT/cells.json
+#        (then c = 4 with --requests-per-slot 64, then 64 16, 256, 1);
 #     2. `python -m pytest -q -p no:hypothesispytest -n 0 tests/test_cuda_graphs.py` (the whole file);
 #     3. the 4B command at c = 128 (c = 32 ran in the thirty-fourth session: 1.003 x the best);
 #        `round_speed.py --model qwen3-8b-shape --methods plain_static_compiled dspark_static_compiled`.
