@@ -333,10 +333,10 @@ class StaticRows:
             self._record_last_round(self._round_seconds())
             self._planned = None
 
-    def finish_round(self) -> None:
-        """Tells that the last round's tokens are delivered (streamed, checked for stops): its time for the chooser ends
-        here rather than when `step` returned."""
-        self._round_ended = time.perf_counter()
+    def finish_round(self, delivered: float) -> None:
+        """Tells that the last round's tokens were delivered (streamed, checked for stops) at `delivered`
+        (`time.perf_counter()`): its time for the chooser ends there rather than when `step` returned."""
+        self._round_ended = delivered
 
     def _round_seconds(self) -> float:
         """The last round's whole time: from its start to the end of `step` or, later, `finish_round`. The host's work

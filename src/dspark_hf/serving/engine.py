@@ -412,8 +412,8 @@ class DSparkEngine:
             self.round_log.append(entry)
             done = self._deliver(rows, committed)
             entry["delivered"] = time.perf_counter()  # (streaming and stop checks done)
-            if static:
-                self.runner.finish_round()  # (the round's time for its width chooser ends with the delivery)
+            if static:  # (the round's time for its width chooser ends with the delivery)
+                self.runner.finish_round(entry["delivered"])
             self.runner.remove(done)
         self.join_gate.record(len(admitted), admitted_at - started, now - admitted_at)
 
