@@ -133,6 +133,11 @@
 #     serving_static_code50m_delivery_timed_h100_*.{json,png,log}, serving_static_4b_delivery_timed_h100_c32.*.
 # Next (one call each, carry_sched; move demo_models/, drafters/ and benchmarks/results/ aside first; a device call
 #     returns at most eight files, so write fewer or split):
+#     0. (thirty-fifth session: a round verifying v < 7 drafts now drafts only those v slots past the block forward)
+#        `bash benchmarks/carry.sh unpack && PYTHONPATH=src:benchmarks python benchmarks/round_widths.py --device cuda
+#        --dtype bfloat16 --compile --rows 16 64 256 --out $OUT/round_widths_h100.json` (each width's captured round;
+#        a few minutes of compilation), then in item 1 add fixed_1 to --policies: does γ = 1 now beat plain rounds
+#        at c >= 64?
 #     1. the code50m command with longer runs and --round-logs $OUT/round_logs.json.gz, at c = 4 and 128 first
 #        (the round logs now name each round's flush or forgetting and its delivery time: what does a flush add to a
 #        refresh of a drafting width, and why did hardware-aware keep 24 % plain rounds at c = 4?): the thirty-fourth

@@ -650,9 +650,9 @@ def test_static_engine_tells_its_chooser_which_rounds_replay_graphs_warm_up_ran(
 
 
 def check_drafts_every_round(runner, target, drafter) -> list[int]:
-    """Wraps `runner.step` (a `StaticRows`): after each drafting round, every request's drafts must be what the drafter
-    proposes given its committed context from its row's `drafter_start` on; returns the list of those starts (one per
-    request and drafting round), which fills as the rounds run."""
+    """Wraps `runner.step` (a `StaticRows`): after each drafting round of width v, every request's v drafts must be the
+    first v that the drafter proposes given its committed context from its row's `drafter_start` on; returns the list
+    of those starts (one per request and drafting round), which fills as the rounds run."""
     step, starts = runner.step, []
 
     def checked_step():
@@ -661,8 +661,9 @@ def check_drafts_every_round(runner, target, drafter) -> list[int]:
         if runner.drafted_last_round:
             for slot, ids in before.items():
                 start = int(runner.rounds.drafter_start[slot] - runner.rounds.pad[slot])
-                assert runner.rounds.drafts[slot].tolist() == reference_drafts(target, drafter, ids[:-1], ids[-1],
-                                                                               start)
+                width = runner.owner[slot].drafted[-1]
+                expected = reference_drafts(target, drafter, ids[:-1], ids[-1], start)[:width]
+                assert runner.rounds.drafts[slot, :width].tolist() == expected
                 starts.append(start)
         return committed
 

@@ -356,3 +356,16 @@ def test_round_width_overhead_times_every_engine_on_the_code_fixture(tmp_path, m
     assert all(times[name][0] > 0 for name in overhead.ENGINES if name != "hardware_aware")  # (it may not reach 7)
     assert cell["ratio_to_fixed_7_runs"]["fixed_7"] == [1.0]
     assert cell["chooser_call_us"]["choose"] > 0 and cell["chooser_call_us"]["record"] > 0
+
+
+def test_round_widths_times_every_width_of_the_engines_rows():
+    """`benchmarks/round_widths.py` on tiny models: a median time per width, each over the plain round's."""
+    import round_widths
+
+    target, drafter, prompts = serving.tiny_models()
+    args = argparse.Namespace(prompt_tokens=12, rounds=2, repeats=1, compile=False, device="cpu")
+    cell = round_widths.round_ms(target, drafter, prompts, 3, args)
+    assert set(cell) == {"0", "1", "3", "7"} and cell["0"]["over_plain"] == 1.0
+    for entry in cell.values():
+        assert entry["round_ms"] > 0 and entry["over_plain"] == pytest.approx(entry["round_ms"] / cell["0"]["round_ms"],
+                                                                              rel=1e-3)

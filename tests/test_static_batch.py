@@ -130,9 +130,10 @@ def test_each_row_drafts_from_exactly_its_committed_context(target):
 def test_rounds_of_any_width_and_plain_rounds_keep_the_drafter_context_whole(target, window):
     """`DSparkEngine(static=True)`'s rounds: each verifies v in 0..γ drafts of every row (v = 0, a plain round, puts
     its target features in the drafter's pending context, γ + 1 or 14 of them; `flush()` writes it into the drafter
-    cache when `must_flush` says so). In a random order of them, every drafting round proposes what the drafter
-    proposes given each row's whole committed context, every row's drafter cache holds exactly that context's K/V,
-    and the rows commit their solo greedy tokens."""
+    cache when `must_flush` says so). In a random order of them, every drafting round proposes the first v of what the
+    drafter proposes given each row's whole committed context, running only those v slots through the drafter's LM
+    head (and so its Markov loop), every row's drafter cache holds exactly that context's K/V, and the rows commit
+    their solo greedy tokens."""
     import random
 
     rng = random.Random(4)
@@ -141,6 +142,9 @@ def test_rounds_of_any_width_and_plain_rounds_keep_the_drafter_context_whole(tar
     prompts = random_batches(VOCAB_SIZE, count=1, size=4, seed=9)[0]
     ids, mask = left_padded(prompts)
     for model in (random_drafter, oracle):
+        head_slots, compute_logits = [], model.compute_logits
+        model.compute_logits = lambda hidden, _logits=compute_logits: head_slots.append(hidden.shape[1]) or \
+            _logits(hidden)
         rounds = StaticBatchRounds(target, model, len(prompts), capacity=ids.shape[1] + 96, context_window=window)
         rounds.prefill(ids, mask)
         span = rounds.width
@@ -154,11 +158,14 @@ def test_rounds_of_any_width_and_plain_rounds_keep_the_drafter_context_whole(tar
                 if rounds.must_flush(verify, max(pending)):
                     rounds.flush()
                     pending, flushes = [0] * len(prompts), flushes + 1
+                head_slots.clear()
                 rounds.greedy_round(verify)()
+            assert head_slots == ([verify] if verify > 0 else [])
             for row, (accepted, *tokens) in enumerate(rounds.record.tolist()):
                 if verify > 0:
-                    assert rounds.drafts[row].tolist() == reference_drafts(target, model, contexts[row],
-                                                                           committed[row][-1])
+                    expected = reference_drafts(target, model, contexts[row], committed[row][-1])
+                    assert len(expected) == span - 1
+                    assert rounds.drafts[row, :verify].tolist() == expected[:verify]
                 assert accepted <= verify
                 committed[row] += tokens[: accepted + 1]
                 pending[row] = pending[row] + 1 if verify == 0 else accepted + 1
@@ -167,6 +174,7 @@ def test_rounds_of_any_width_and_plain_rounds_keep_the_drafter_context_whole(tar
         assert flushes > 0 and {0, 1, 3, span - 1} <= set(widths)
         for prompt, row in zip(prompts, committed):
             assert row[:40] == solo(target, prompt, 40)
+        del model.compute_logits
 
 
 def test_an_admitted_row_drafts_from_exactly_its_committed_context(target):

@@ -196,7 +196,7 @@ class StaticBatchRounds:
         self.active = torch.ones(batch_size, **long)  # 0 once a row has stopped: its columns stop moving
         self.features: torch.Tensor | None = None  # [B, γ + 1, K·H]: the last verify forward's target features
         self.record = torch.zeros(batch_size, 1 + self.width, **long)  # [accepted, emitted tokens] per row
-        self.drafts = torch.zeros(batch_size, self.width - 1, **long)  # the last round's drafts
+        self.drafts = torch.zeros(batch_size, self.width - 1, **long)  # the last round's v drafts: [:, :v]
         self.replayed_acceptance: torch.Tensor | None = None  # `replay_acceptance()`: timing only
         if do_sample:  # DSpark: the graph drafts and scores; `dspark_hf.verify` and `advance` run after it
             self.step = self._sampled_plain_round if drafter is None else self._sampled_dspark_round
@@ -282,7 +282,7 @@ class StaticBatchRounds:
 
     def sampled_round(self, verify: int) -> Callable:
         """`greedy_round`'s sampled twin, called with (noise, temperatures, top_ks, top_ps), per row: noise ~ Exp(1)
-        [B, V] for a plain round (which draws its token and records it), [B, γ, V] for a drafting round (which returns
+        [B, V] for a plain round (which draws its token and records it), [B, ≥ v, V] for a drafting round (which returns
         (drafts [B, v], their q [B, v, V], target logits, target features) for `dspark_hf.verify`, then `advance`).
         Noise of ones with temperature 1 and no top-k / top-p draws a row's argmax: a greedy row."""
         plain = self._sampled_plain_round if self.drafter is None else self._sampled_plain_round_with_context
@@ -475,9 +475,11 @@ class StaticBatchRounds:
 
     def _draft_and_score(self, select, verify: int | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Drafts γ tokens per row (`select` as `DSparkDraftModel.draft_tokens` takes it) and runs the target over
-        [anchor, the first `verify` drafts (default: all)] -> (those drafts [B, v], their q logits, target logits
-        [B, v + 1, V], target features)."""
+        """Drafts the first `verify` tokens per row (default: all γ; `select` as `DSparkDraftModel.draft_tokens` takes
+        it) and runs the target over [anchor, those drafts] -> (the drafts [B, v], their q logits, target logits
+        [B, v + 1, V], target features). The drafter's block forward is the same for every v (its slots see each
+        other), but only the v slots verified go through its LM head and the Markov loop, slot by slot, so the drafts
+        are the first v of what a γ round drafts."""
         drafter, device = self.drafter, self.anchor.device
         block = drafter.config.block_size
         # the previous verify features are context up to the anchor's column; the rest is hidden, then overwritten
@@ -488,10 +490,10 @@ class StaticBatchRounds:
         hidden, base_logits = drafter.draft_backbone(
             self.anchor, self.features[:, : self.width], self.drafter_cache,
             position_ids=(self.column - self.pad)[:, None] + torch.arange(block, device=device),
-            context_position_ids=context_positions.clamp(min=0), attention_mask=mask)
+            context_position_ids=context_positions.clamp(min=0), num_tokens=verify, attention_mask=mask)
         proposal = drafter.draft_tokens(self.anchor, hidden, base_logits, select)
-        self.drafts.copy_(proposal.tokens)
-        drafts, q_logits = proposal.tokens[:, :verify], proposal.logits[:, :verify]
+        drafts, q_logits = proposal.tokens, proposal.logits
+        self.drafts[:, : drafts.shape[1]].copy_(drafts)
         logits, features = self._target_forward(torch.cat([self.anchor[:, None], drafts], dim=1), self.column)
         return drafts, q_logits, logits, features
 
@@ -505,7 +507,7 @@ class StaticBatchRounds:
 
     def _sampled_dspark_round(self, noise: torch.Tensor, temperatures, top_ks, top_ps, verify: int | None = None):
         """-> (the first `verify` drafts [B, v] (default: all), their q [B, v, V], target logits, target features) for
-        `dspark_hf.verify`; `noise` [B, γ, V]."""
+        `dspark_hf.verify`; `noise` [B, ≥ v, V] (slot j's drafts race on noise[:, j])."""
         def select(drafted, logits):
             processed = processed_scores(logits, temperatures, top_ks, top_ps)
             return race(processed.softmax(dim=-1), noise[:, drafted.shape[1]]), processed

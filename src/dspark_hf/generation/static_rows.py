@@ -423,7 +423,7 @@ class StaticRows:
         apply the rows' top-k / top-p (another graph)."""
         generator = self.sampler.generator
         device, batch, vocab = self.temperature.device, rounds.pad.shape[0], self.vocab_size
-        shape = (batch, vocab) if verify == 0 else (batch, self.span - 1, vocab)
+        shape = (batch, vocab) if verify == 0 else (batch, verify, vocab)  # (a round drafts only what it verifies)
         noise = torch.ones(shape, device=device)
         rows = torch.tensor([slot for slot, sampled in enumerate(self.sampled[:batch]) if sampled], dtype=torch.long,
                             device=device)
