@@ -131,26 +131,24 @@
 # Thirty-fourth session (library 840af9f, one H100): the delivery-timed chooser at c = 64 16 (302 s), 256 128 (243 s),
 #     4 1 (282 s) with the code50m command below, then the 4B command at c = 32 alone (508 s; 447 s of warm-up):
 #     serving_static_code50m_delivery_timed_h100_*.{json,png,log}, serving_static_4b_delivery_timed_h100_c32.*.
+# Thirty-fifth session (library ea09e18, one H100: a round verifying v < 7 drafts drafts only those v slots):
+#     round_widths.py --device cuda --dtype bfloat16 --compile --rows 16 64 256 with the library before and after
+#     (one call, 307 s: round_widths_h100.json), then the code50m command below with fixed_1 among the policies at
+#     c = 64 16 and 32 8 2 (--requests-per-slot 16), 256 128 (8) and 4 1 (64), four calls of 183-291 s:
+#     serving_static_code50m_narrow_rounds_h100.{json,png,json.gz,log}.
 # Next (one call each, carry_sched; move demo_models/, drafters/ and benchmarks/results/ aside first; a device call
 #     returns at most eight files, so write fewer or split):
-#     0. (thirty-fifth session: a round verifying v < 7 drafts now drafts only those v slots past the block forward)
-#        `bash benchmarks/carry.sh unpack && PYTHONPATH=src:benchmarks python benchmarks/round_widths.py --device cuda
-#        --dtype bfloat16 --compile --rows 16 64 256 --out $OUT/round_widths_h100.json` (each width's captured round;
-#        a few minutes of compilation), then in item 1 add fixed_1 to --policies: does γ = 1 now beat plain rounds
-#        at c >= 64?
-#     1. the code50m command with longer runs and --round-logs $OUT/round_logs.json.gz, at c = 4 and 128 first
-#        (the round logs now name each round's flush or forgetting and its delivery time: what does a flush add to a
-#        refresh of a drafting width, and why did hardware-aware keep 24 % plain rounds at c = 4?): the thirty-fourth
-#        session's runs lasted 0.2-0.7 s at c = 16-256 and no speculation's own runs spread by up to 14 %, more than
-#        the 1-3 % between the policies. Same arguments with --requests-per-slot 16 (c >= 16) or 64 (c = 4, 1);
-#        compilation (10-40 s per engine) dominates a call anyway:
-#        SERVING_TIMEOUT=450 OUT=$OUT bash benchmarks/gpu_serving_run.sh --model code50m --static
-#        --graph-sizes-per-cell 1 --max-new-tokens 64 --repeats 3 --no-paged --policies no_spec fixed_3 fixed_7
-#        hardware_aware --requests-per-slot 16 --min-requests 64 --admission-rows 16 --eager-admission-from 100000
-#        --concurrency 128 --round-logs $OUT/round_logs.json.gz --out $OUT/cells.json
-#        (then c = 4 with --requests-per-slot 64, then 64 16, 256, 1);
-#     2. `python -m pytest -q -p no:hypothesispytest -n 0 tests/test_cuda_graphs.py` (the whole file);
-#     3. the 4B command at c = 128 (c = 32 ran in the thirty-fourth session: 1.003 x the best);
+#     1. `python -m pytest -q -p no:hypothesispytest -n 0 tests/test_cuda_graphs.py` (the whole file): the narrow
+#        rounds' sampled graphs (noise of v slots) have not run under CUDA graphs on the GPU yet;
+#     2. why hardware-aware split its rounds between γ = 3 and γ = 7 at c = 2-16 where fixed γ = 3 led by 1.6-2.8 %
+#        (replays of the same round logs stay on γ = 3): log the chooser's rates at each comparison, then the command
+#        at c = 4 and 16:
+#        SERVING_TIMEOUT=480 OUT=$OUT bash benchmarks/gpu_serving_run.sh --model code50m --static
+#        --graph-sizes-per-cell 1 --max-new-tokens 64 --repeats 3 --no-paged --policies no_spec fixed_1 fixed_3
+#        fixed_7 hardware_aware --requests-per-slot 16 --min-requests 64 --admission-rows 16
+#        --eager-admission-from 100000 --concurrency 64 16 --round-logs $OUT/round_logs.json.gz --out $OUT/cells.json
+#        (--requests-per-slot 64 at c = 4 and 1, 8 at c = 256 and 128);
+#     3. the 4B command at c = 32 and 128 with the narrow rounds;
 #        `round_speed.py --model qwen3-8b-shape --methods plain_static_compiled dspark_static_compiled`.
 #     A fresh machine compiles slowly: give a call of one concurrency at least 200 s.
 set -uo pipefail
