@@ -548,16 +548,26 @@ def run_eager_cells(target, drafter, prompts, concurrency: int, chosen: dict[str
 
 
 COMPACT_COLUMNS = ["ended_ms", "rows", "admitted", "verify", "accepted", "admit_ms", "step_ms", "upkeep",
-                   "deliver_ms"]
+                   "deliver_ms", "choice", "rates"]
 
 
 def compact_round_log(log: list[dict], origin: float) -> list[list]:
     """One round per entry: [ms since `origin` at its end, rows, requests admitted, verified drafts (the widest
     row's), drafts accepted in all, admission ms, draft + verify ms, the drafter-context upkeep the round ran first
-    ("flush", "forget" or None), ms from its end until its tokens were delivered]."""
+    ("flush", "forget" or None), ms from its end until its tokens were delivered, why the chooser chose the round's
+    width (`RoundWidthChooser.reason`; None without a chooser), the rates it compared then ({width: tokens per second
+    and row}, or None)]."""
     return [[round(1e3 * (e["ended"] - origin), 3), e["batch"], e["admitted"], max(e["verify"], default=0),
              sum(e["accepted"]), round(1e3 * e["admit_seconds"], 4), round(1e3 * e["step_seconds"], 4), e["upkeep"],
-             round(1e3 * (e["delivered"] - e["ended"]), 4)] for e in log]
+             round(1e3 * (e["delivered"] - e["ended"]), 4), *compact_choice(e.get("choice"))] for e in log]
+
+
+def compact_choice(choice: tuple | None) -> list:
+    """[reason, {width: rate rounded to 0.1}] of a round's `choice`, [None, None] without one."""
+    if choice is None:
+        return [None, None]
+    reason, rates = choice
+    return [reason, None if rates is None else {str(width): round(rate, 1) for width, rate in rates.items()}]
 
 
 def run_static_cells(target, drafter, prompts, concurrency: int, names: list[str], args,

@@ -303,12 +303,36 @@ def test_width_chooser_times_a_width_afresh_before_it_replaces_the_choice():
     bucket.relative[3] = type(bucket.relative[3])([value - 0.36 for value in bucket.relative[3]], maxlen=25)
     bucket.stale.add(3)
     bucket.settled_until = 0
-    after = []
+    after, reasons = [], []
     for _ in range(20):  # (no compilation rounds now; no acceptance either: the estimates stay as they were)
         width = chooser.choose()
         chooser.record(width, seconds[width], [])
         after.append(width)
+        reasons.append(chooser.reason)
     assert after[:3] == [3, 3, 3] and after[3:] == [7] * 17 and bucket.best == 7
+    assert reasons[:4] == ["confirm", "measure", "measure", "keep"] and set(reasons[4:]) <= {"settled", "keep"}
+
+
+def test_width_chooser_tells_why_it_chose_each_width_and_what_it_compared():
+    """`reason` and `rates` after every `choose`: each width measured first, then the first choice, then settled
+    rounds, comparisons that keep it (with every width's rate) and refreshes of the others."""
+    seconds = {0: 1.0, 1: 1.2, 3: 1.5, 7: 2.0}
+    chooser, rng = RoundWidthChooser(tuple(seconds), refresh_every=50), random.Random(0)
+    log = []
+    for _ in range(600):
+        width = chooser.choose()
+        log.append((width, chooser.reason, chooser.rates))
+        accepted = [sum(1 for _ in itertools.takewhile(lambda _: rng.random() < 0.9, range(width))) for _ in range(16)]
+        chooser.record(width, seconds[width], accepted, captured=True)
+    assert [reason for _, reason, _ in log[:12]] == ["measure"] * 12
+    assert log[12][:2] == (7, "switch") and set(log[12][2]) == set(seconds)
+    later = log[13:]
+    assert {reason for _, reason, _ in later} == {"settled", "keep", "refresh"}
+    for width, reason, rates in later:
+        assert (rates is None) == (reason == "settled")
+        assert (width != 7) == (reason == "refresh")
+        if rates is not None:
+            assert max(rates, key=rates.get) == 7 and set(rates) == set(seconds)
 
 
 def test_width_chooser_compares_rates_only_every_few_rounds_once_settled(monkeypatch):

@@ -138,7 +138,9 @@ class StaticRows:
         self.verify, self.chooser = verify, chooser
         self._unrecorded: tuple | None = None  # the last round, for `chooser.record` during the next one
         self._last_round_started = self._round_ended = 0.0  # (time.perf_counter())
-        self._planned: tuple[int, int] | None = None  # (rows, width): the next round's width, chosen during this one
+        # (rows, width, choice): the next round's width, chosen during this one
+        self._planned: tuple[int, int, tuple] | None = None
+        self.choice: tuple[str, dict[int, float] | None] | None = None  # the last round's (chooser.reason, .rates)
 
     @property
     def rows(self) -> list[Row]:
@@ -361,11 +363,12 @@ class StaticRows:
         rounds = self.rounds.prefix(count)
         planned, self._planned = self._planned, None
         if self.chooser is None:
-            verify = self.verify
+            verify, self.choice = self.verify, None
         elif planned is not None and planned[0] == count:
-            verify = planned[1]
+            verify, self.choice = planned[1:]
         else:  # the first round, or the number of rows changed since the choice (the chooser counted that one as a
             verify = self.chooser.choose(count)  # round of the other number: a refresh due there may be skipped once)
+            self.choice = self.chooser.reason, self.chooser.rates
         started = time.perf_counter()
         last_round = self._round_seconds()
         self._last_round_started = started
@@ -392,7 +395,7 @@ class StaticRows:
                 self._sampled_round(rounds, verify, filtered=kind == "filtered")
             if self.chooser is not None:  # while the device runs this round: the last round's time and acceptance,
                 self._record_last_round(last_round)  # then the next round's width (if it runs as many rows)
-                self._planned = (count, self.chooser.choose(count))
+                self._planned = (count, self.chooser.choose(count), (self.chooser.reason, self.chooser.rates))
             # the round's one synchronisation: accepted drafts and the up to verify + 1 tokens committed, per row
             record = rounds.record[:, : verify + 2].tolist()
         committed, accepted_drafts = [], []

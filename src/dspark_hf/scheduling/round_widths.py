@@ -106,6 +106,10 @@ class RoundWidthChooser:
         self._expected: list[float] | None = None  # expected_tokens(v) for v = 0..longest, until the next record
         self.sample_acceptance = sample_acceptance
         self._rng = random.Random(seed)
+        # why the last `choose` returned its width, and the expected rates (tokens per second and row) it compared,
+        # if it compared any: the engine's round log keeps them (`DSparkEngine.round_log` "choice")
+        self.reason: str | None = None
+        self.rates: dict[int, float] | None = None
 
     def survival(self) -> list[float]:
         """S_j for j = 1..max width: the estimated probability that a row accepts its first j drafts."""
@@ -154,17 +158,23 @@ class RoundWidthChooser:
         return None if seconds is None else self.expected_tokens(width) / seconds
 
     def choose(self, rows: int = 0) -> int:
-        """The number of drafts the next round (of `rows` rows) verifies."""
+        """The number of drafts the next round (of `rows` rows) verifies. `reason` tells why: "settled" (the choice
+        stands), "measure" (a width not measured yet, or timed afresh), "confirm" (a width that looks better, timed
+        afresh first), "switch" (it replaces the choice), "keep" (the comparison kept the choice) or "refresh" (a
+        width not chosen, run again); `rates` holds the compared rates, if this call compared them."""
         bucket = self._bucket(rows)
         bucket.rounds += 1
+        self.rates = None
         if bucket.rounds < bucket.settled_until:
+            self.reason = "settled"
             return bucket.best
         times = {width: self._seconds(width, rows) for width in self.widths}
         unmeasured = [width for width, seconds in times.items() if seconds is None]
         if unmeasured or bucket.retiming:
+            self.reason = "measure"
             return min(unmeasured or bucket.retiming)
         tokens = self.choice_tokens()
-        rates = {width: tokens[width] / seconds for width, seconds in times.items()}
+        self.rates = rates = {width: tokens[width] / seconds for width, seconds in times.items()}
         best = max(self.widths, key=rates.__getitem__)
         if bucket.best is not None and rates[best] < (1 + self.switch_margin) * rates[bucket.best]:
             best = bucket.best
@@ -173,11 +183,14 @@ class RoundWidthChooser:
             bucket.relative[best].clear()
             bucket.stale.add(best)
             bucket.retiming.add(best)
+            self.reason = "confirm"
             return best
         bucket.confirming = None
+        self.reason = "keep"
         if best != bucket.best:
             bucket.choose(best, times[best])
             bucket.interval = dict.fromkeys(self.widths, self.refresh_every)
+            self.reason = "switch"
         due = {}
         for width in self.widths:
             if width != best:
@@ -188,6 +201,7 @@ class RoundWidthChooser:
                 due[width] = bucket.last_run[width] + wait
                 if bucket.rounds >= due[width]:
                     bucket.interval[width] = min(2 * bucket.interval[width], self.max_refresh_every)
+                    self.reason = "refresh"
                     return width
         bucket.settled_until = min(bucket.rounds + self.decide_every, *due.values())
         return best

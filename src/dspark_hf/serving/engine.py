@@ -255,8 +255,10 @@ class DSparkEngine:
         # per round: batch, requests admitted, verify lengths, accepted, drafted?, width, holes, seconds (admission and
         # round), admit_seconds (the admitted requests' prefill and first tokens), step_seconds (the draft + verify
         # round), ended (time.perf_counter() at the round's end), upkeep (static engines: the drafter-context upkeep
-        # the round ran first, "flush" or "forget"; else None), delivered (time.perf_counter() once its tokens are
-        # streamed and checked for stops); the last ROUND_LOG_ROUNDS rounds (a server runs hundreds of rounds a second)
+        # the round ran first, "flush" or "forget"; else None), choice (static engines with a chooser: why its width
+        # was chosen and the rates then compared, `StaticRows.choice`; else None), delivered (time.perf_counter() once
+        # its tokens are streamed and checked for stops); the last ROUND_LOG_ROUNDS rounds (a server runs hundreds of
+        # rounds a second)
         self.round_log: deque[dict] = deque(maxlen=ROUND_LOG_ROUNDS)
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -408,7 +410,8 @@ class DSparkEngine:
             entry = dict(batch=len(rows), admitted=len(admitted), verify=verify, accepted=accepted,
                          speculative=self.runner.drafted_last_round, width=state.width, holes=state.hole_fraction(),
                          seconds=now - started, admit_seconds=admitted_at - started, step_seconds=now - admitted_at,
-                         ended=now, upkeep=self.runner.upkeep if static else None)
+                         ended=now, upkeep=self.runner.upkeep if static else None,
+                         choice=self.runner.choice if static else None)
             self.round_log.append(entry)
             done = self._deliver(rows, committed)
             entry["delivered"] = time.perf_counter()  # (streaming and stop checks done)
