@@ -141,8 +141,8 @@
 #     1. `python -m pytest -q -p no:hypothesispytest -n 0 tests/test_cuda_graphs.py` (the whole file): the narrow
 #        rounds' sampled graphs (noise of v slots) have not run under CUDA graphs on the GPU yet;
 #     2. why hardware-aware split its rounds between γ = 3 and γ = 7 at c = 2-16 where fixed γ = 3 led by 1.6-2.8 %
-#        (replays of the same round logs stay on γ = 3): log the chooser's rates at each comparison, then the command
-#        at c = 4 and 16:
+#        (replays of the same round logs stay on γ = 3): the round logs now carry the chooser's reason and the rates
+#        it compared (columns choice, rates); the command at c = 4 and 16:
 #        SERVING_TIMEOUT=480 OUT=$OUT bash benchmarks/gpu_serving_run.sh --model code50m --static
 #        --graph-sizes-per-cell 1 --max-new-tokens 64 --repeats 3 --no-paged --policies no_spec fixed_1 fixed_3
 #        fixed_7 hardware_aware --requests-per-slot 16 --min-requests 64 --admission-rows 16
