@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 from common import environment
+from round_speed import left_pad
 from serving import load_models
 
 from dspark_hf.generation.static_rows import StaticRows
@@ -30,17 +31,10 @@ from dspark_hf.generation.static_rows import StaticRows
 WIDTHS = (0, 1, 3, 7)
 
 
-def left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(map(len, prompts))
-    ids = torch.tensor([[0] * (width - len(prompt)) + prompt for prompt in prompts])
-    mask = torch.tensor([[0] * (width - len(prompt)) + [1] * len(prompt) for prompt in prompts])
-    return ids, mask
-
-
 def round_ms(target, drafter, prompts: list[list[int]], rows: int, args) -> dict:
     """Median ms per greedy round of each width at `rows` rows."""
     chosen = [prompts[index % len(prompts)][: args.prompt_tokens] for index in range(rows)]
-    ids, mask = left_padded(chosen)
+    ids, mask = left_pad(chosen, 0, "cpu")  # (prefill moves them to the models' device)
     sweeps = args.repeats + 1
     columns = sweeps * args.rounds * sum(width + 1 for width in WIDTHS)
     runner = StaticRows(target, drafter, rows, max_model_len=ids.shape[1] + columns, compile=args.compile)
