@@ -135,8 +135,6 @@ def main() -> None:
                         "engine's measured tokens per row (default: the round logs' path without .gz)")
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--captured", action="store_true", help="the engine captured every graph at warm-up")
-    parser.add_argument("--mean-acceptance", action="store_true",
-                        help="the chooser compares the hazards' means (sample_acceptance=False; before 2026-12-04)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     logs = json.load(gzip.open(args.round_logs, "rt"))
@@ -147,8 +145,8 @@ def main() -> None:
     for concurrency, runs in logs["runs"].items():
         measured = cells[concurrency]["chooser"][concurrency]
         tokens_per_row = {int(width): entry["tokens_per_row"] for width, entry in measured.items()}
-        seeds = [replay_concurrency(runs, tokens_per_row, int(concurrency), seed, args.captured,
-                                    sample_acceptance=not args.mean_acceptance) for seed in range(args.seeds)]
+        seeds = [replay_concurrency(runs, tokens_per_row, int(concurrency), seed, args.captured)
+                 for seed in range(args.seeds)]
         ratios = [entry["chooser_over_best_fixed"] for entry in seeds]
         report[concurrency] = dict(seeds[0], chooser_over_best_fixed_by_seed=ratios,
                                    chooser_over_best_fixed_median=statistics.median(ratios))
@@ -156,7 +154,7 @@ def main() -> None:
               f"{' '.join(f'{r:.3f}' for r in ratios)}; rounds by width {seeds[0]['chooser_rounds']}")
     if args.out:
         args.out.write_text(json.dumps(dict(source=str(args.round_logs), captured=args.captured,
-                                            mean_acceptance=args.mean_acceptance, concurrency=report), indent=2)
+                                            concurrency=report), indent=2)
                             + "\n")
 
 

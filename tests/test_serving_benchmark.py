@@ -157,7 +157,7 @@ def test_static_cells_run_every_policy_on_its_engine(models, graph_sizes_per_cel
 def test_static_cells_replay_a_trace_on_the_speculative_engines(models, shared_graphs):
     """`--static` with a trace (the Qwen3-4B shape's random weights): every drafting round of fixed γ accepts the
     trace's count capped at γ, no speculation is untouched, and the hardware-aware chooser learns the replayed
-    acceptance (a trace of 7 accepted drafts: all its drafts survive)."""
+    acceptance (a trace of 7 accepted drafts: nearly all its drafts survive)."""
     target, drafter, prompts = models
     args = argparse.Namespace(**vars(ARGS), repeats=1, dynamic_batch=False, admission_batch=1, graph_sizes_per_cell=1,
                               sequential=False, admission_rows=1, eager_admission_from=None,
@@ -172,8 +172,11 @@ def test_static_cells_replay_a_trace_on_the_speculative_engines(models, shared_g
         # every row of a round accepts all its drafts, except where a request's budget ends first
         assert sum(entry[4] == width * entry[1] for entry in drafting) > 0.5 * len(drafting)
     assert runs["no_spec"][0]["tau"] == 1.0 and runs["fixed_7"][0]["tau"] > 4.0
-    survival = runs["hardware_aware"][0]["chooser"]["2"]["7"]["tokens_per_row"]
-    assert survival == pytest.approx(8.0, abs=0.01)
+    chooser = runs["hardware_aware"][0]["chooser"]["2"]
+    tokens_per_row = {width: entry["tokens_per_row"] for width, entry in chooser.items()}
+    # (each hazard is the posterior mean (accepted + 1) / (reached + 2) of a few dozen rows, so not quite 1; a trace
+    # that accepted nothing would give about 1)
+    assert tokens_per_row["7"] > 5.5 and tokens_per_row["3"] > 3.5
 
 
 @torch.inference_mode()
@@ -378,3 +381,26 @@ def test_round_widths_times_every_width_of_the_engines_rows():
     for entry in cell.values():
         assert entry["round_ms"] > 0 and entry["over_plain"] == pytest.approx(entry["round_ms"] / cell["0"]["round_ms"],
                                                                               rel=1e-3)
+
+
+def test_chooser_on_text_times_each_round_by_its_width_and_tells_the_chooser_so():
+    """`benchmarks/chooser_on_text.py` on tiny models: each round costs its width's given time (no noise here), the
+    run's GPU seconds add them up, and the hardware-aware chooser is told those times, not the CPU's."""
+    import chooser_on_text
+
+    target, drafter, prompts = serving.tiny_models()
+    times = {0: 1e-3, 1: 2e-3, 3: 3e-3, 7: 4e-3}
+    args = argparse.Namespace(max_new_tokens=24, length_spread=0.5, requests_per_slot=4, min_requests=8)
+    for policy in ("fixed_3", "hardware_aware"):
+        engine = chooser_on_text.make(target, drafter, policy, 2, max(map(len, prompts)) + 40)
+        clock = chooser_on_text.GpuClock(engine, times, spread=0.0, seed=0)
+        result = chooser_on_text.serve(engine, clock, prompts, 2, args)
+        assert result["gpu_seconds"] == pytest.approx(sum(times[w] * n for w, n in result["rounds"].items()))
+        assert result["tokens"] == sum(serving.request_lengths(8, args))
+        if policy == "fixed_3":
+            assert set(result["rounds"]) == {3} and "log" not in result
+        else:
+            assert len(result["log"]) == sum(result["rounds"].values())
+            measured = {width: entry["round_ms"] for width, entry in engine.runner.chooser.summary()[2].items()
+                        if entry["round_ms"] is not None}
+            assert measured and all(ms == pytest.approx(1e3 * times[width]) for width, ms in measured.items())

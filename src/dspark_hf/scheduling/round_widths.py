@@ -10,12 +10,16 @@ round, the v with the most expected committed tokens per second,
 where t(v) is v's round time (the engine times a round whole, until its tokens are delivered: the host's work on them
 costs every round alike, and leaving it out undervalued the wider widths) and S_j the probability that a row accepts its
 first j drafts, estimated from every verified draft of recent rounds (hazards h_j = P(draft j accepted | drafts < j
-were), S_j = h_1 ... h_j; counts decay so that the estimate follows the text). A plain round commits one token per row.
-A comparison draws each h_j from its Beta posterior (the decayed counts on a uniform prior; Thompson sampling) rather
-than taking its mean: with many rows per round the draws barely move, but with one row a round the drafts beyond the
-chosen width are verified only by the other widths' occasional rounds, and means resting on those few rows held the
-choice below the best width (in replays of the GPU's round logs, 0.86-0.92 of the best fixed width in some seeds at
-c = 1; drawn, such a width keeps its chance to be tried until its own rounds tell).
+were), each its posterior mean on a uniform prior, S_j = h_1 ... h_j). A plain round commits one token per row. The
+counts of a draft slot decay (by `decay`, 0.999: about the last thousand rounds) only in rounds that verify it; a slot
+beyond the chosen width keeps what the other widths' rounds told, and one nobody verified counts as 1/2, not 0 (at
+c = 1, when unverified counts decayed and hazards were taken as accepted / reached, the choice could stick below the
+best width for good). The memory is long on purpose: on real text a few requests' good or bad stretch moves the
+estimate, and by the time it has the requests have changed. With 0.99 and posterior draws in every comparison (the
+chooser until 2026-12-05), the GPU's code50m cells at c = 2-16 split their rounds between γ = 3 and γ = 7 where
+γ = 3 led by 2-5 %; `benchmarks/chooser_on_text.py` reproduces that on the CPU. A width that looks better replaces
+the choice only if it leads by `switch_margin` in at least `switch_confidence` of `draws` joint draws of the hazards
+from their Beta posteriors (`confidence`): a lead resting on a few lucky rows is not enough.
 
 Round times drift: on the H200 machine every width's rounds slowed by a fifth within a few seconds, while a width
 that is not chosen runs only now and then. So only the chosen width's time is kept as such (the median of its last
@@ -66,7 +70,8 @@ class RoundWidthChooser:
             round's graph was captured beforehand.
         samples: timed rounds of each width before the choice is made on the measurements.
         window: relative round times kept per width; their median is used.
-        decay: factor on the acceptance counts at every speculative round: 0.99 remembers about the last hundred.
+        decay: factor on a draft slot's acceptance counts at every round that verifies it: 0.999 remembers about
+            the last thousand.
         refresh_every: rounds after which a width that is not chosen is run again, after a change of choice.
         max_refresh_every: the longest such wait.
         refresh_gap: a width whose expected rate is a fraction gap below the choice's waits 1 + gap / refresh_gap
@@ -76,20 +81,22 @@ class RoundWidthChooser:
         decide_every: rounds a choice stands before the rates are compared again (refreshes still run when due);
             the acceptance estimate remembers about 1 / (1 - decay) rounds, so a few rounds' delay changes little.
         reference_rounds: the chosen width's last rounds whose median is its time, and the reference of the others.
-        sample_acceptance: compare widths on hazards drawn from their posteriors (default) rather than on their means.
+        switch_confidence: the share of posterior draws in which a width must lead by `switch_margin` to replace
+            the choice.
+        draws: the number of those draws.
         seed: seeds those draws.
     """
 
     def __init__(self, widths: tuple[int, ...], warmup: int = 2, samples: int = 3, window: int = 25,
-                 decay: float = 0.99, refresh_every: int = 32, max_refresh_every: int = 1024,
+                 decay: float = 0.999, refresh_every: int = 32, max_refresh_every: int = 1024,
                  refresh_gap: float = 0.05, switch_margin: float = 0.02, decide_every: int = 8,
-                 reference_rounds: int = 9, sample_acceptance: bool = True, seed: int = 0):
+                 reference_rounds: int = 9, switch_confidence: float = 0.9, draws: int = 32, seed: int = 0):
         if not widths or min(widths) < 0 or samples < 1 or window < samples or not 0 < decay <= 1 \
                 or not 1 <= refresh_every <= max_refresh_every or refresh_gap <= 0 or switch_margin < 0 \
-                or decide_every < 1 or reference_rounds < 1:
+                or decide_every < 1 or reference_rounds < 1 or not 0 < switch_confidence < 1 or draws < 1:
             raise ValueError("RoundWidthChooser needs widths >= 0, samples >= 1, window >= samples, 0 < decay <= 1, "
                              "1 <= refresh_every <= max_refresh_every, refresh_gap > 0, switch_margin >= 0, "
-                             "decide_every >= 1 and reference_rounds >= 1.")
+                             "decide_every >= 1, reference_rounds >= 1, 0 < switch_confidence < 1 and draws >= 1.")
         self.widths = tuple(sorted(set(widths)))
         self.warmup, self.samples, self.decay = warmup, samples, decay
         self.refresh_every, self.max_refresh_every, self.refresh_gap = refresh_every, max_refresh_every, refresh_gap
@@ -104,7 +111,7 @@ class RoundWidthChooser:
         self._reached = [0.0] * longest  # drafts j verified with drafts < j accepted
         self._accepted = [0.0] * longest  # ... and accepted
         self._expected: list[float] | None = None  # expected_tokens(v) for v = 0..longest, until the next record
-        self.sample_acceptance = sample_acceptance
+        self.switch_confidence, self.draws = switch_confidence, draws
         self._rng = random.Random(seed)
         # why the last `choose` returned its width, and the expected rates (tokens per second and row) it compared,
         # if it compared any: the engine's round log keeps them (`DSparkEngine.round_log` "choice")
@@ -112,9 +119,9 @@ class RoundWidthChooser:
         self.rates: dict[int, float] | None = None
 
     def survival(self) -> list[float]:
-        """S_j for j = 1..max width: the estimated probability that a row accepts its first j drafts."""
-        hazards = (accepted / reached if reached > 0 else 0.0 for reached, accepted in zip(self._reached,
-                                                                                           self._accepted))
+        """S_j for j = 1..max width: the estimated probability that a row accepts its first j drafts (each hazard its
+        posterior mean: the decayed counts on a uniform prior)."""
+        hazards = ((accepted + 1) / (reached + 2) for reached, accepted in zip(self._reached, self._accepted))
         return list(itertools.accumulate(hazards, operator.mul))
 
     def expected_tokens(self, width: int) -> float:
@@ -123,15 +130,21 @@ class RoundWidthChooser:
             self._expected = list(itertools.accumulate(self.survival(), initial=1.0))
         return self._expected[width]
 
-    def choice_tokens(self) -> list[float]:
-        """Tokens a row commits in a round of each width 0..max width, as a choice compares them: with
-        `sample_acceptance`, from hazards drawn from their Beta posteriors (the decayed counts on a uniform prior),
-        else `expected_tokens`."""
-        if not self.sample_acceptance:
-            return [self.expected_tokens(width) for width in range(len(self._reached) + 1)]
-        hazards = (self._rng.betavariate(accepted + 1, reached - accepted + 1)
-                   for reached, accepted in zip(self._reached, self._accepted))
-        return list(itertools.accumulate(itertools.accumulate(hazards, operator.mul), initial=1.0))
+    def _rates(self, times: dict[int, float]) -> dict[int, float]:
+        """Each width's expected tokens per second and row, its rounds taking `times`."""
+        return {width: self.expected_tokens(width) / seconds for width, seconds in times.items()}
+
+    def confidence(self, challenger: int, incumbent: int, times: dict[int, float]) -> float:
+        """The share of `draws` joint draws of the hazards from their Beta posteriors in which `challenger`'s rate
+        beats `incumbent`'s by `switch_margin` (rounds taking `times`)."""
+        wins = 0
+        for _ in range(self.draws):
+            hazards = (self._rng.betavariate(accepted + 1, reached - accepted + 1)
+                       for reached, accepted in zip(self._reached, self._accepted))
+            tokens = list(itertools.accumulate(itertools.accumulate(hazards, operator.mul), initial=1.0))
+            lead = tokens[challenger] / times[challenger] / (tokens[incumbent] / times[incumbent])
+            wins += lead > 1 + self.switch_margin
+        return wins / self.draws
 
     def _bucket(self, rows: int) -> _WidthTimes:
         if rows not in self._buckets:
@@ -173,10 +186,11 @@ class RoundWidthChooser:
         if unmeasured or bucket.retiming:
             self.reason = "measure"
             return min(unmeasured or bucket.retiming)
-        tokens = self.choice_tokens()
-        self.rates = rates = {width: tokens[width] / seconds for width, seconds in times.items()}
+        self.rates = rates = self._rates(times)
         best = max(self.widths, key=rates.__getitem__)
-        if bucket.best is not None and rates[best] < (1 + self.switch_margin) * rates[bucket.best]:
+        if bucket.best is not None and best != bucket.best and (
+                rates[best] < (1 + self.switch_margin) * rates[bucket.best]
+                or self.confidence(best, bucket.best, times) < self.switch_confidence):
             best = bucket.best
         if best != bucket.best and bucket.best is not None and bucket.confirming != best:
             bucket.confirming = best  # time it afresh (`samples` rounds in a row) before it replaces the choice
@@ -224,14 +238,10 @@ class RoundWidthChooser:
         # the slots; a row that accepted at least `slot` drafts had draft slot + 1 verified)
         decay, reached, accepted_counts = self.decay, self._reached, self._accepted
         rows_with, at_least = Counter(accepted), len(accepted)
-        for slot in range(len(reached)):
-            if slot < width:
-                reached[slot] = reached[slot] * decay + at_least
-                at_least -= rows_with[slot]
-                accepted_counts[slot] = accepted_counts[slot] * decay + at_least
-            else:
-                reached[slot] *= decay
-                accepted_counts[slot] *= decay
+        for slot in range(width):
+            reached[slot] = reached[slot] * decay + at_least
+            at_least -= rows_with[slot]
+            accepted_counts[slot] = accepted_counts[slot] * decay + at_least
         self._expected = None
 
     def _could_lead(self, width: int, seconds: float, rows: int) -> bool:
