@@ -136,17 +136,21 @@
 #     (one call, 307 s: round_widths_h100.json), then the code50m command below with fixed_1 among the policies at
 #     c = 64 16 and 32 8 2 (--requests-per-slot 16), 256 128 (8) and 4 1 (64), four calls of 183-291 s:
 #     serving_static_code50m_narrow_rounds_h100.{json,png,json.gz,log}.
+# Thirty-sixth session (library 21ea0d0, one H100: the chooser compares posterior means over about the last thousand
+#     rounds and switches at 90 % confidence): the code50m command below at c = 16 64 (--requests-per-slot 16, 253 s
+#     on a fresh machine), 32 8 2 (16, 334 s), 256 128 (8, 208 s), 4 1 (64, 263 s), merged into
+#     serving_static_code50m_confident_chooser_h100.{json,png,json.gz}; then tests/test_cuda_graphs.py for 230 s
+#     (14 passed, unfinished; run it with PYTHONPATH=src).
 # Next (one call each, carry_sched; move demo_models/, drafters/ and benchmarks/results/ aside first; a device call
 #     returns at most eight files, so write fewer or split):
-#     1. `python -m pytest -q -p no:hypothesispytest -n 0 tests/test_cuda_graphs.py` (the whole file): the narrow
-#        rounds' sampled graphs (noise of v slots) have not run under CUDA graphs on the GPU yet;
-#     2. why hardware-aware split its rounds between γ = 3 and γ = 7 at c = 2-16 where fixed γ = 3 led by 1.6-2.8 %
-#        (replays of the same round logs stay on γ = 3): the round logs now carry the chooser's reason and the rates
-#        it compared (columns choice, rates); the command at c = 4 and 16:
-#        SERVING_TIMEOUT=480 OUT=$OUT bash benchmarks/gpu_serving_run.sh --model code50m --static
+#     1. `PYTHONPATH=src python -m pytest -q -p no:hypothesispytest -n 0 tests/test_cuda_graphs.py` (the whole file,
+#        more than 230 s): the narrow rounds' sampled graphs under CUDA graphs;
+#     2. the chooser's stickiness at c = 1 and 4 (an early confirmation of γ = 7 held for the rest of the cell): a
+#        change, then the command at c = 4 1 (--requests-per-slot 64) and 16 8 (16):
+#        SERVING_TIMEOUT=400 OUT=$OUT bash benchmarks/gpu_serving_run.sh --model code50m --static
 #        --graph-sizes-per-cell 1 --max-new-tokens 64 --repeats 3 --no-paged --policies no_spec fixed_1 fixed_3
 #        fixed_7 hardware_aware --requests-per-slot 16 --min-requests 64 --admission-rows 16
-#        --eager-admission-from 100000 --concurrency 64 16 --round-logs $OUT/round_logs.json.gz --out $OUT/cells.json
+#        --eager-admission-from 100000 --concurrency 16 64 --round-logs $OUT/round_logs.json.gz --out $OUT/cells.json
 #        (--requests-per-slot 64 at c = 4 and 1, 8 at c = 256 and 128);
 #     3. the 4B command at c = 32 and 128 with the narrow rounds;
 #        `round_speed.py --model qwen3-8b-shape --methods plain_static_compiled dspark_static_compiled`.
