@@ -73,6 +73,35 @@ def serve(engine: DSparkEngine, clock: GpuClock, prompts, concurrency: int, args
     return result
 
 
+def tokens_per_round(accepted: list[int], width: int, renewal: bool) -> float:
+    """Tokens a row commits per round at `width`, estimated from rows' accepted drafts `accepted` in rounds of a wider
+    width: as measured (mean of min(k, width) + 1), or by renewal (each observation weighted by the tokens its own
+    round committed, min(k, widest) + 1: the text positions it stands for, if acceptance holds across them; then the
+    harmonic mean of min(k, width) + 1 over positions)."""
+    widest = max(accepted)
+    if not renewal:
+        return 1 + sum(min(k, width) for k in accepted) / len(accepted)
+    positions = sum(min(k, widest) + 1 for k in accepted)
+    return positions / sum((min(k, widest) + 1) / (min(k, width) + 1) for k in accepted)
+
+
+def acceptance_by_width(engines: dict[str, DSparkEngine], clocks: dict, prompts, args) -> dict:
+    """`--acceptance-by-width`: one run of each fixed width; per width, each row-round's accepted drafts summarised,
+    and the tokens per round of every narrower width as estimated from its rounds (as measured, and by renewal)."""
+    report = {}
+    for policy, engine in engines.items():
+        serve(engine, clocks[policy], prompts, args.concurrency, args)
+        accepted = [count for entry in engine.round_log for count in entry["accepted"]]
+        width = int(policy.removeprefix("fixed_"))
+        report[policy] = dict(row_rounds=len(accepted), tokens_per_round=1 + sum(accepted) / len(accepted),
+                              estimated_from_these_rounds={
+                                  str(narrower): dict(as_measured=tokens_per_round(accepted, narrower, False),
+                                                      renewal=tokens_per_round(accepted, narrower, True))
+                                  for narrower in WIDTHS if 0 < narrower < width})
+        print(policy, json.dumps(report[policy]), flush=True)
+    return report
+
+
 def make(target, drafter, policy: str, concurrency: int, longest: int) -> DSparkEngine:
     gamma = int(policy.removeprefix("fixed_")) if policy.startswith("fixed_") else None
     return DSparkEngine(target, drafter, static=True, policy="fixed" if gamma is not None else "hardware_aware",
@@ -94,6 +123,9 @@ def main() -> None:
     parser.add_argument("--policies", nargs="+", default=list(POLICIES))
     parser.add_argument("--chooser", nargs="*", default=[], metavar="NAME=VALUE",
                         help="RoundWidthChooser attributes to set on the hardware-aware engine, e.g. decay=0.995")
+    parser.add_argument("--acceptance-by-width", action="store_true",
+                        help="instead: one run of each fixed policy, and each narrower width's tokens per round as "
+                             "estimated from its rounds (as measured, and by renewal)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     torch.set_grad_enabled(False)
@@ -108,6 +140,13 @@ def main() -> None:
         setattr(chooser, name, type(getattr(chooser, name))(float(value)))
     clocks = {policy: GpuClock(engine, times, args.spread, seed=index)
               for index, (policy, engine) in enumerate(engines.items())}
+    if args.acceptance_by_width:
+        fixed = {policy: engine for policy, engine in engines.items() if policy.startswith("fixed_")}
+        report = acceptance_by_width(fixed, clocks, prompts, args)
+        if args.out:
+            args.out.write_text(json.dumps(dict(concurrency=args.concurrency, widths=report, environment=environment(),
+                                                command=vars(args) | {"out": str(args.out)}), indent=1) + "\n")
+        return
     runs = {policy: [] for policy in args.policies}
     for repeat in range(-1, args.repeats):
         for policy, engine in engines.items():

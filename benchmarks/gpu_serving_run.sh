@@ -145,8 +145,9 @@
 #     returns at most eight files, so write fewer or split):
 #     1. `PYTHONPATH=src python -m pytest -q -p no:hypothesispytest -n 0 tests/test_cuda_graphs.py` (the whole file,
 #        more than 230 s): the narrow rounds' sampled graphs under CUDA graphs;
-#     2. the chooser's stickiness at c = 1 and 4 (an early confirmation of γ = 7 held for the rest of the cell): a
-#        change, then the command at c = 4 1 (--requests-per-slot 64) and 16 8 (16):
+#     2. the chooser's stickiness at c = 1 and 4 (an early confirmation of γ = 7 held for the rest of the cell; its
+#        per-round acceptance estimates lean to the width being run, docs/serving_measurements.md): a change, then the
+#        command at c = 4 1 (--requests-per-slot 64) and 16 8 (16):
 #        SERVING_TIMEOUT=400 OUT=$OUT bash benchmarks/gpu_serving_run.sh --model code50m --static
 #        --graph-sizes-per-cell 1 --max-new-tokens 64 --repeats 3 --no-paged --policies no_spec fixed_1 fixed_3
 #        fixed_7 hardware_aware --requests-per-slot 16 --min-requests 64 --admission-rows 16

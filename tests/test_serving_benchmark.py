@@ -404,3 +404,15 @@ def test_chooser_on_text_times_each_round_by_its_width_and_tells_the_chooser_so(
             measured = {width: entry["round_ms"] for width, entry in engine.runner.chooser.summary()[2].items()
                         if entry["round_ms"] is not None}
             assert measured and all(ms == pytest.approx(1e3 * times[width]) for width, ms in measured.items())
+
+
+def test_chooser_on_text_estimates_a_narrower_width_from_wider_rounds():
+    """`tokens_per_round`: from rows' accepted drafts in rounds of width 7, a width's tokens per round as measured
+    (the mean of min(k, v) + 1) and by renewal (each observation standing for the min(k, 7) + 1 positions its round
+    committed: the harmonic mean of min(k, v) + 1 over positions), which for the widest width is the mean itself."""
+    from chooser_on_text import tokens_per_round
+
+    accepted = [0, 3, 7, 7]
+    assert tokens_per_round(accepted, 3, renewal=False) == pytest.approx(1 + (0 + 3 + 3 + 3) / 4)
+    assert tokens_per_round(accepted, 3, renewal=True) == pytest.approx((1 + 4 + 8 + 8) / (1 + 1 + 2 + 2))
+    assert tokens_per_round(accepted, 7, renewal=True) == pytest.approx(tokens_per_round(accepted, 7, renewal=False))

@@ -19,7 +19,9 @@ estimate, and by the time it has the requests have changed. With 0.99 and poster
 chooser until 2026-12-05), the GPU's code50m cells at c = 2-16 split their rounds between γ = 3 and γ = 7 where
 γ = 3 led by 2-5 %; `benchmarks/chooser_on_text.py` reproduces that on the CPU. A width that looks better replaces
 the choice only if it leads by `switch_margin` in at least `switch_confidence` of `draws` joint draws of the hazards
-from their Beta posteriors (`confidence`): a lead resting on a few lucky rows is not enough.
+from their Beta posteriors (`confidence`): a lead resting on a few lucky rows is not enough. Not corrected yet: the
+counts are per round, and a wider round strides through easy text in fewer rounds, so the rounds of the width being run
+misestimate the others' acceptance by a few percent in its favour (docs/scheduling.md).
 
 Round times drift: on the H200 machine every width's rounds slowed by a fifth within a few seconds, while a width
 that is not chosen runs only now and then. So only the chosen width's time is kept as such (the median of its last
