@@ -75,14 +75,12 @@ def serve(engine: DSparkEngine, clock: GpuClock, prompts, concurrency: int, args
 
 def tokens_per_round(accepted: list[int], width: int, renewal: bool) -> float:
     """Tokens a row commits per round at `width`, estimated from rows' accepted drafts `accepted` in rounds of a wider
-    width: as measured (mean of min(k, width) + 1), or by renewal (each observation weighted by the tokens its own
-    round committed, min(k, widest) + 1: the text positions it stands for, if acceptance holds across them; then the
-    harmonic mean of min(k, width) + 1 over positions)."""
-    widest = max(accepted)
+    width: as measured (mean of min(k, width) + 1), or by renewal (each observation weighted by the k + 1 tokens its
+    own round committed: the text positions it stands for, if acceptance holds across them; then the harmonic mean of
+    min(k, width) + 1 over positions)."""
     if not renewal:
         return 1 + sum(min(k, width) for k in accepted) / len(accepted)
-    positions = sum(min(k, widest) + 1 for k in accepted)
-    return positions / sum((min(k, widest) + 1) / (min(k, width) + 1) for k in accepted)
+    return sum(k + 1 for k in accepted) / sum((k + 1) / (min(k, width) + 1) for k in accepted)
 
 
 def acceptance_by_width(engines: dict[str, DSparkEngine], clocks: dict, prompts, args) -> dict:
