@@ -17,7 +17,7 @@ c = 1, when unverified counts decayed and hazards were taken as accepted / reach
 best width for good). The memory is long on purpose: on real text a few requests' good or bad stretch moves the
 estimate, and by the time it has the requests have changed. With 0.99 and posterior draws in every comparison (the
 chooser until 2026-12-05), the GPU's code50m cells at c = 2-16 split their rounds between γ = 3 and γ = 7 where
-γ = 3 led by 2-5 %; `benchmarks/chooser_on_text.py` reproduces that on the CPU. A width that looks better replaces
+γ = 3 led by 1.6-2.8 %; `benchmarks/chooser_on_text.py` reproduces that on the CPU. A width that looks better replaces
 the choice only if it leads by `switch_margin` in at least `switch_confidence` of `draws` joint draws of the hazards
 from their Beta posteriors (`confidence`): a lead resting on a few lucky rows is not enough. Not corrected yet: the
 counts are per round, and a wider round strides through easy text in fewer rounds, so the rounds of the width being run
