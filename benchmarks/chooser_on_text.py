@@ -40,9 +40,8 @@ class GpuClock:
         self.engine, self.times, self.spread = engine, times, spread
         self.random = random.Random(seed)
         self.seconds, self.widths, self.last = 0.0, Counter(), None
-        rows = engine.runner
-        original = rows._record_last_round
-        rows._record_last_round = lambda _seconds: original(self.last) if rows._unrecorded is not None else None
+        record_last_round = engine.runner._record_last_round  # (which records nothing when no round is pending)
+        engine.runner._record_last_round = lambda _cpu_seconds: record_last_round(self.last)
 
     def step(self) -> None:
         """One engine round, timed by its width."""
