@@ -11,8 +11,10 @@ over `--processes` fresh processes (a shared machine's speed varies from process
 
     PYTHONPATH=src python benchmarks/engine_host_cpu.py --chooser
 
-times the hardware-aware `RoundWidthChooser` alone instead: µs per round of `choose` + `record` at 1, 16 and 256 rows
-(widths 0, 1, 3, 7; width 7 the fastest; accepted drafts ~ Exponential(0.5), capped), the best of 5 × 20000 rounds.
+times the hardware-aware `RoundWidthChooser` alone instead: µs per round of `record` + `choose` + `prepare` (the
+engine runs them while the device runs a round) and of the rows' state histogram + `refine` (between a round's end and
+the next one's launch), at 1, 16 and 256 rows (widths 0, 1, 3, 7; width 7 the fastest; accepted drafts
+~ Exponential(0.5), capped), the best of 5 × 20000 rounds.
 
     PYTHONPATH=src python benchmarks/engine_host_cpu.py --contexts
 
@@ -38,12 +40,14 @@ import random
 import subprocess
 import sys
 import time
+from collections import Counter
 
 import torch
 
 from serving import tiny_models
 
 from dspark_hf.scheduling import RoundWidthChooser
+from dspark_hf.scheduling.round_widths import AFTER_PLAIN, acceptance_state
 from dspark_hf.serving import DSparkEngine
 
 
@@ -134,21 +138,32 @@ def collector_pauses(rows: int, engines: int = 4, runs: int = 4, prompt_tokens: 
                 full_collection_ms=round(1e3 * (time.perf_counter() - collection), 2))
 
 
-def chooser_us_per_round(rows: int, rounds: int = 20000, repeats: int = 5) -> float:
-    """The best µs per round of a fresh `RoundWidthChooser`'s `choose` + `record` over `repeats` runs."""
+def chooser_us_per_round(rows: int, rounds: int = 20000, repeats: int = 5) -> tuple[float, float]:
+    """The best µs per round of a fresh `RoundWidthChooser` over `repeats` runs: its work while the device runs a
+    round (`record`, `choose`, `prepare`), and between a round's end and the next one's launch (the rows' state
+    histogram, `refine`)."""
     rng = random.Random(0)
     accepted = [[min(7, int(rng.expovariate(0.5))) for _ in range(rows)] for _ in range(64)]
-    best = float("inf")
+    best_during = best_between = float("inf")
     for _ in range(repeats):
         chooser = RoundWidthChooser((0, 1, 3, 7))
-        started = time.perf_counter()
+        during = between = 0.0
+        states, planned = None, chooser.choose(rows)
         for index in range(rounds):
-            width = chooser.choose(rows)
-            chooser.record(width, 0.001 if width == 7 else 0.0011, accepted[index % 64] if width else [], rows)
-        best = min(best, (time.perf_counter() - started) / rounds)
-    return 1e6 * best
-
-
+            started = time.perf_counter()
+            counts = Counter(states) if states is not None else {AFTER_PLAIN: rows}
+            width = chooser.refine(planned, counts, rows)
+            middle = time.perf_counter()
+            row_accepted = accepted[index % 64] if width else []
+            chooser.record(width, 0.001 if width == 7 else 0.0011, row_accepted, rows,
+                           states=states or [AFTER_PLAIN] * rows)
+            planned = chooser.choose(rows)
+            chooser.prepare(rows)
+            ended = time.perf_counter()
+            states = [acceptance_state(width, count) for count in row_accepted] or None
+            during, between = during + ended - middle, between + middle - started
+        best_during, best_between = min(best_during, during / rounds), min(best_between, between / rounds)
+    return 1e6 * best_during, 1e6 * best_between
 def context_us(context, calls: int = 20000, repeats: int = 5) -> float:
     """The best µs per `with context():` (enter + exit, empty body) over `repeats` runs of `calls`."""
     best = float("inf")
@@ -191,7 +206,9 @@ def main() -> None:
         return
     if args.chooser:
         for rows in (1, 16, 256):
-            print(f"RoundWidthChooser, rows {rows}: {chooser_us_per_round(rows):.1f} us per round")
+            during, between = chooser_us_per_round(rows)
+            print(f"RoundWidthChooser, rows {rows}: {during:.1f} us per round while it runs, {between:.1f} us between "
+                  "rounds")
         return
     if args.processes == 0:
         print(json.dumps(host_ms_per_round(args.rows, args.rounds, args.repeats)))

@@ -23,6 +23,15 @@ from their Beta posteriors (`confidence`): a lead resting on a few lucky rows is
 counts are per round, and a wider round strides through easy text in fewer rounds, so the rounds of the width being run
 misestimate the others' acceptance by a few percent in its favour (docs/scheduling.md).
 
+Acceptance also runs in stretches: on code50m's text, a row that accepted all 7 drafts of a round accepted 6 of the next
+round's on average, one that accepted none 0.57 (`chooser_on_text.py`'s fixed γ = 7 rounds at c = 4). So the counts are
+also kept per acceptance state of the rows before the round (`acceptance_state`: the drafts it accepted in its last
+round, whether that was all of them, or AFTER_PLAIN), and `refine` picks each round's width from the states of the
+rows it runs, with each state's expected tokens (`state_tokens`: its own counts, `state_prior` verified drafts at the
+average row's hazards added). `choose` keeps the rest: which widths to measure, confirm or refresh, their times, and
+the width a round of average rows would take. On the CPU twin of the H100's code50m cells (`chooser_on_text.py`), this
+made c = 1 serve 1.018 x fixed γ = 3 (the best fixed width; 0.998-1.001 without it); at c = 4, 1.000.
+
 Round times drift: on the H200 machine every width's rounds slowed by a fifth within a few seconds, while a width
 that is not chosen runs only now and then. So only the chosen width's time is kept as such (the median of its last
 `reference_rounds` rounds); every other width's rounds are kept as their log time minus the log of that median when
@@ -62,6 +71,20 @@ import random
 import statistics
 from collections import Counter, deque
 
+# A row's acceptance state, what the chooser conditions its acceptance on (`acceptance_state`): before its first
+# drafting round and after a plain round, AFTER_PLAIN; after a drafting round, the drafts it accepted, or FULL + the
+# round's width if it accepted all of them (the count then only a lower bound).
+AFTER_PLAIN = -1
+FULL = 16
+# the reasons of `RoundWidthChooser.choose` whose width `refine` may change (the others measure, confirm or refresh one)
+REFINED = ("settled", "keep", "switch")
+
+
+def acceptance_state(width: int, accepted: int) -> int:
+    """A row's state after a round that verified `width` drafts, of which it accepted `accepted` (width 0: a plain
+    round)."""
+    return AFTER_PLAIN if width == 0 else accepted if accepted < width else FULL + width
+
 
 class RoundWidthChooser:
     """Chooses each round's number of verified drafts among `widths` (0: a plain round).
@@ -87,18 +110,25 @@ class RoundWidthChooser:
             the choice.
         draws: the number of those draws.
         seed: seeds those draws.
+        state_prior: the weight, in verified drafts, of the acceptance of all rows in a state's estimate
+            (`state_tokens`).
+        state_rows: `refine` changes the width of rounds of at most this many rows (0: never); the engine counts the
+            rows' states only in such rounds.
     """
 
     def __init__(self, widths: tuple[int, ...], warmup: int = 2, samples: int = 3, window: int = 25,
                  decay: float = 0.999, refresh_every: int = 32, max_refresh_every: int = 1024,
                  refresh_gap: float = 0.05, switch_margin: float = 0.02, decide_every: int = 8,
-                 reference_rounds: int = 9, switch_confidence: float = 0.9, draws: int = 32, seed: int = 0):
+                 reference_rounds: int = 9, switch_confidence: float = 0.9, draws: int = 32, seed: int = 0,
+                 state_prior: float = 4.0, state_rows: int = 4):
         if not widths or min(widths) < 0 or samples < 1 or window < samples or not 0 < decay <= 1 \
                 or not 1 <= refresh_every <= max_refresh_every or refresh_gap <= 0 or switch_margin < 0 \
-                or decide_every < 1 or reference_rounds < 1 or not 0 < switch_confidence < 1 or draws < 1:
+                or decide_every < 1 or reference_rounds < 1 or not 0 < switch_confidence < 1 or draws < 1 \
+                or state_prior <= 0 or state_rows < 0:
             raise ValueError("RoundWidthChooser needs widths >= 0, samples >= 1, window >= samples, 0 < decay <= 1, "
                              "1 <= refresh_every <= max_refresh_every, refresh_gap > 0, switch_margin >= 0, "
-                             "decide_every >= 1, reference_rounds >= 1, 0 < switch_confidence < 1 and draws >= 1.")
+                             "decide_every >= 1, reference_rounds >= 1, 0 < switch_confidence < 1, draws >= 1, "
+                             "state_prior > 0 and state_rows >= 0.")
         self.widths = tuple(sorted(set(widths)))
         self.warmup, self.samples, self.decay = warmup, samples, decay
         self.refresh_every, self.max_refresh_every, self.refresh_gap = refresh_every, max_refresh_every, refresh_gap
@@ -113,6 +143,13 @@ class RoundWidthChooser:
         self._reached = [0.0] * longest  # drafts j verified with drafts < j accepted
         self._accepted = [0.0] * longest  # ... and accepted
         self._expected: list[float] | None = None  # expected_tokens(v) for v = 0..longest, until the next record
+        # the same counts per acceptance state of the rows before the round, and state_tokens(state) until the next
+        # record
+        self._state_counts: dict[int, tuple[list[float], list[float]]] = {}
+        self._state_expected: dict[int, list[float]] = {}
+        self._state_rates: tuple | None = None  # `prepare`'s (rows, each width's seconds, each state's rates)
+        self._records_since_prepared = 0
+        self.state_prior, self.state_rows = state_prior, state_rows
         self.switch_confidence, self.draws = switch_confidence, draws
         self._rng = random.Random(seed)
         # why the last `choose` returned its width, and the expected rates (tokens per second and row) it compared,
@@ -131,6 +168,68 @@ class RoundWidthChooser:
         if self._expected is None:
             self._expected = list(itertools.accumulate(self.survival(), initial=1.0))
         return self._expected[width]
+
+    def state_tokens(self, state: int) -> list[float]:
+        """Tokens a row in acceptance `state` (`acceptance_state`) is expected to commit in a round that verifies
+        v = 0..max width drafts. Each hazard is the state's counts with `state_prior` verified drafts at the
+        hazard of all rows (its posterior mean) added: a state's slot seldom verified takes the rows' average."""
+        expected = self._state_expected.get(state)
+        if expected is None:
+            prior = self.state_prior
+            hazards = ((accepted + 1) / (reached + 2) for reached, accepted in zip(self._reached, self._accepted))
+            if state in self._state_counts:
+                hazards = ((kept + prior * pooled) / (count + prior)
+                           for pooled, count, kept in zip(hazards, *self._state_counts[state]))
+            survival = itertools.accumulate(hazards, operator.mul)
+            expected = self._state_expected[state] = list(itertools.accumulate(survival, initial=1.0))
+        return expected
+
+    def refine(self, width: int, states: dict[int, int], rows: int = 0) -> int:
+        """The next round's width, given the one `choose` returned and how many of the round's rows are in each
+        acceptance state (`acceptance_state` of their last round): the width with the most expected tokens per
+        second for these rows. A row that just accepted all its drafts tends to accept many again, one that accepted
+        none few, so the best width changes from round to round; `choose` compares widths on the average row. A
+        drafting round becomes a plain one only if no row is in state AFTER_PLAIN: a plain round tells nothing of the
+        rows' acceptance, so after it every row is, and the next round drafts (a choice made on unknown states could
+        otherwise stay plain for good). A width returned to measure, confirm or refresh one stands, and so does the
+        width of a round of more than `state_rows` rows (their states average out, and the estimates per state are
+        less sure than the average: on the CPU twin of the GPU's cells, refining rounds of 16 rows served 0.99 x the
+        best fixed width). `reason` becomes "state" where the rows' states change the choice. (The engine calls this
+        between a round's end and the next one's start: `prepare` does most of the work before.)"""
+        if self.reason not in REFINED or sum(states.values()) > self.state_rows:
+            return width
+        self.prepare(rows)  # (done already, in the engine)
+        _, seconds, table = self._state_rates
+        first = 0 if width == 0 or AFTER_PLAIN not in states or self.widths[0] != 0 else 1  # (the first candidate)
+        if len(states) == 1:
+            [state] = states
+            rates = table[state] if state in table else self._state_rates_of(state, seconds)
+        else:
+            rates = [0.0] * len(self.widths)
+            for state, count in states.items():
+                for index, rate in enumerate(table[state] if state in table else self._state_rates_of(state, seconds)):
+                    rates[index] += count * rate
+        best = max(range(first, len(self.widths)), key=rates.__getitem__)
+        if self.widths[best] != width:
+            self.reason, self.rates = "state", dict(zip(self.widths, rates))
+        return self.widths[best]
+
+    def prepare(self, rows: int = 0) -> None:
+        """Computes, for `refine` in rounds of `rows` rows, every state's expected tokens per second at each width,
+        at most every `decide_every` rounds (like the choice itself, once settled): the engine calls it while the
+        device runs a round, after `choose`. (Nothing to do when `choose` returned a width to measure, confirm or
+        refresh: not every width's time may be known then.)"""
+        if self.reason not in REFINED or (self._state_rates is not None and self._state_rates[0] == rows
+                                          and self._records_since_prepared < self.decide_every):
+            return
+        self._records_since_prepared = 0
+        seconds = [self._seconds(width, rows) for width in self.widths]
+        self._state_rates = (rows, seconds, {state: self._state_rates_of(state, seconds)
+                                             for state in (AFTER_PLAIN, *self._state_counts)})
+
+    def _state_rates_of(self, state: int, seconds: list[float]) -> list[float]:
+        tokens = self.state_tokens(state)
+        return [tokens[width] / time for width, time in zip(self.widths, seconds)]
 
     def _rates(self, times: dict[int, float]) -> dict[int, float]:
         """Each width's expected tokens per second and row, its rounds taking `times`."""
@@ -222,13 +321,16 @@ class RoundWidthChooser:
         bucket.settled_until = min(bucket.rounds + self.decide_every, *due.values())
         return best
 
-    def record(self, width: int, seconds: float, accepted: list[int], rows: int = 0, captured: bool = False) -> None:
+    def record(self, width: int, seconds: float, accepted: list[int], rows: int = 0, captured: bool = False,
+               states: list[int] | None = None) -> None:
         """A finished round of `rows` rows that verified `width` drafts: its wall-clock seconds and each running
         request's accepted drafts. `captured`: the round replayed a graph captured before (timed even among the
-        first `warmup` rounds)."""
+        first `warmup` rounds). `states`: each row's acceptance state before the round (`acceptance_state`), for
+        `state_tokens`."""
         bucket = self._bucket(rows)
         bucket.last_run[width] = bucket.rounds
         bucket.runs[width] += 1
+        self._records_since_prepared += 1
         if width != bucket.best:
             bucket.settled_until = 0  # (a refresh or a first measurement: decide again next round)
         if captured or bucket.runs[width] > self.warmup:
@@ -236,15 +338,33 @@ class RoundWidthChooser:
                        may_retime=width == bucket.best or self._could_lead(width, seconds, rows))
         if width == 0 or not accepted:
             return
-        # (the engine calls this every round: one pass over the rows, then the decay and the counts in one pass over
-        # the slots; a row that accepted at least `slot` drafts had draft slot + 1 verified)
-        decay, reached, accepted_counts = self.decay, self._reached, self._accepted
-        rows_with, at_least = Counter(accepted), len(accepted)
+        self._count(width, Counter(accepted), len(accepted), self._reached, self._accepted)
+        self._expected = None
+        self._state_expected.clear()
+        if states is None:
+            return
+        by_state: dict[int, dict[int, int]] = {}
+        for (state, count), rows_with in Counter(zip(states, accepted)).items():
+            if state in by_state:
+                by_state[state][count] = rows_with
+            else:
+                by_state[state] = {count: rows_with}
+        longest = max(self.widths)
+        for state, rows_with in by_state.items():
+            if state not in self._state_counts:
+                self._state_counts[state] = ([0.0] * longest, [0.0] * longest)
+            self._count(width, rows_with, sum(rows_with.values()), *self._state_counts[state])
+
+    def _count(self, width: int, rows_with: dict[int, int], rows: int, reached: list[float],
+               accepted_counts: list[float]) -> None:
+        """Adds a round's `rows` rows, `rows_with[k]` of which accepted k drafts, to the counts of its `width` draft
+        slots, decayed first (the engine calls `record` every round: the rows are counted in one pass, then the
+        slots in another; a row that accepted at least `slot` drafts had draft slot + 1 verified)."""
+        decay, at_least = self.decay, rows
         for slot in range(width):
             reached[slot] = reached[slot] * decay + at_least
-            at_least -= rows_with[slot]
+            at_least -= rows_with.get(slot, 0)
             accepted_counts[slot] = accepted_counts[slot] * decay + at_least
-        self._expected = None
 
     def _could_lead(self, width: int, seconds: float, rows: int) -> bool:
         """Whether `width`, if its rounds took `seconds`, would reach the chosen width's expected rate at `rows` rows
