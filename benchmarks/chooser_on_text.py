@@ -26,6 +26,7 @@ import torch
 from common import environment
 from serving import add_requests, load_models, request_count, request_lengths
 
+from dspark_hf.scheduling.round_widths import AFTER_PLAIN, acceptance_state
 from dspark_hf.serving import DSparkEngine
 
 WIDTHS = (0, 1, 3, 7)
@@ -56,7 +57,8 @@ class GpuClock:
 
 def serve(engine: DSparkEngine, clock: GpuClock, prompts, concurrency: int, args) -> dict:
     """One run of `serving.add_requests`'s requests, each round timed by `clock`: tokens, GPU seconds, tokens per
-    second, rounds per width, and (with a chooser) each round's (width, accepted drafts, rows, reason, rates)."""
+    second, rounds per width, each request's drafts verified and accepted per round ("requests") and (with a chooser)
+    each round's (width, accepted drafts, rows, reason, rates)."""
     clock.seconds, clock.widths = 0.0, Counter()
     engine.round_log.clear()
     handles = add_requests(engine, prompts, concurrency, args)
@@ -65,7 +67,8 @@ def serve(engine: DSparkEngine, clock: GpuClock, prompts, concurrency: int, args
         clock.step()
     tokens = sum(len(handle.tokens) for handle in handles)
     result = dict(tokens=tokens, gpu_seconds=clock.seconds, tokens_per_second=tokens / clock.seconds,
-                  rounds=dict(sorted(clock.widths.items())), cpu_seconds=time.perf_counter() - started)
+                  rounds=dict(sorted(clock.widths.items())), cpu_seconds=time.perf_counter() - started,
+                  requests=[(handle.drafted, handle.accepted) for handle in handles])
     if engine.runner.chooser is not None:
         result["log"] = [(max(entry["verify"]), sum(entry["accepted"]), len(entry["accepted"]), *entry["choice"])
                          for entry in engine.round_log]
@@ -82,19 +85,35 @@ def tokens_per_round(accepted: list[int], width: int, renewal: bool) -> float:
     return sum(k + 1 for k in accepted) / sum((k + 1) / (min(k, width) + 1) for k in accepted)
 
 
+def next_round_by_state(requests: list[tuple[list[int], list[int]]]) -> dict[int, dict[str, float]]:
+    """Per `acceptance_state` of a request's round: how many rounds followed one in that state, and the drafts
+    accepted in them on average (from each request's drafts verified and accepted per round)."""
+    following: dict[int, list[int]] = {}
+    for drafted, accepted in requests:
+        state = AFTER_PLAIN
+        for width, count in zip(drafted, accepted):
+            if width:
+                following.setdefault(state, []).append(count)
+            state = acceptance_state(width, count)
+    return {state: dict(rounds=len(counts), accepted=sum(counts) / len(counts))
+            for state, counts in sorted(following.items())}
+
+
 def acceptance_by_width(engines: dict[str, DSparkEngine], clocks: dict, prompts, args) -> dict:
     """`--acceptance-by-width`: one run of each fixed width; per width, each row-round's accepted drafts summarised,
-    and the tokens per round of every narrower width as estimated from its rounds (as measured, and by renewal)."""
+    the tokens per round of every narrower width as estimated from its rounds (as measured, and by renewal), and the
+    drafts accepted after a round in each acceptance state (`next_round_by_state`)."""
     report = {}
     for policy, engine in engines.items():
-        serve(engine, clocks[policy], prompts, args.concurrency, args)
+        result = serve(engine, clocks[policy], prompts, args.concurrency, args)
         accepted = [count for entry in engine.round_log for count in entry["accepted"]]
         width = int(policy.removeprefix("fixed_"))
         report[policy] = dict(row_rounds=len(accepted), tokens_per_round=1 + sum(accepted) / len(accepted),
                               estimated_from_these_rounds={
                                   str(narrower): dict(as_measured=tokens_per_round(accepted, narrower, False),
                                                       renewal=tokens_per_round(accepted, narrower, True))
-                                  for narrower in WIDTHS if 0 < narrower < width})
+                                  for narrower in WIDTHS if 0 < narrower < width},
+                              next_round_by_state=next_round_by_state(result["requests"]))
         print(policy, json.dumps(report[policy]), flush=True)
     return report
 
@@ -149,6 +168,7 @@ def main() -> None:
         for policy, engine in engines.items():
             run_args = args if repeat >= 0 else argparse.Namespace(**{**vars(args), "max_new_tokens": 8})
             result = serve(engine, clocks[policy], prompts, args.concurrency, run_args)
+            del result["requests"]
             print(f"run {repeat} {policy}: {json.dumps({k: v for k, v in result.items() if k != 'log'})}", flush=True)
             if repeat >= 0:
                 runs[policy].append(result)

@@ -11,10 +11,10 @@ over `--processes` fresh processes (a shared machine's speed varies from process
 
     PYTHONPATH=src python benchmarks/engine_host_cpu.py --chooser
 
-times the hardware-aware `RoundWidthChooser` alone instead: µs per round of `record` + `choose` + `prepare` (the
-engine runs them while the device runs a round) and of the rows' state histogram + `refine` (between a round's end and
-the next one's launch), at 1, 16 and 256 rows (widths 0, 1, 3, 7; width 7 the fastest; accepted drafts
-~ Exponential(0.5), capped), the best of 5 × 20000 rounds.
+times the hardware-aware `RoundWidthChooser` alone instead: µs per round of `record` + `choose` (+ `prepare` in rounds
+of at most `state_rows` rows; the engine runs them while the device runs a round) and of the rows' state histogram +
+`refine` (in such rounds; between a round's end and the next one's launch), at 1, 4, 16 and 256 rows (widths 0, 1, 3,
+7; width 7 the fastest; accepted drafts ~ Exponential(0.5), capped), the best of 5 × 20000 rounds.
 
     PYTHONPATH=src python benchmarks/engine_host_cpu.py --contexts
 
@@ -139,28 +139,29 @@ def collector_pauses(rows: int, engines: int = 4, runs: int = 4, prompt_tokens: 
 
 
 def chooser_us_per_round(rows: int, rounds: int = 20000, repeats: int = 5) -> tuple[float, float]:
-    """The best µs per round of a fresh `RoundWidthChooser` over `repeats` runs: its work while the device runs a
-    round (`record`, `choose`, `prepare`), and between a round's end and the next one's launch (the rows' state
-    histogram, `refine`)."""
+    """The best µs per round of a fresh `RoundWidthChooser` over `repeats` runs, called as the static engine calls it:
+    its work while the device runs a round (`record`, `choose`, and in rounds of at most `state_rows` rows `prepare`),
+    and between a round's end and the next one's launch (in such rounds: the rows' state histogram and `refine`)."""
     rng = random.Random(0)
     accepted = [[min(7, int(rng.expovariate(0.5))) for _ in range(rows)] for _ in range(64)]
     best_during = best_between = float("inf")
     for _ in range(repeats):
         chooser = RoundWidthChooser((0, 1, 3, 7))
+        tracked = rows <= chooser.state_rows
         during = between = 0.0
-        states, planned = None, chooser.choose(rows)
+        states, planned = [AFTER_PLAIN] * rows, chooser.choose(rows)
         for index in range(rounds):
             started = time.perf_counter()
-            counts = Counter(states) if states is not None else {AFTER_PLAIN: rows}
-            width = chooser.refine(planned, counts, rows)
+            width = chooser.refine(planned, Counter(states), rows) if tracked else planned
             middle = time.perf_counter()
             row_accepted = accepted[index % 64] if width else []
             chooser.record(width, 0.001 if width == 7 else 0.0011, row_accepted, rows,
-                           states=states or [AFTER_PLAIN] * rows)
+                           states=states if tracked and width else None)
             planned = chooser.choose(rows)
-            chooser.prepare(rows)
+            if tracked:
+                chooser.prepare(rows)
             ended = time.perf_counter()
-            states = [acceptance_state(width, count) for count in row_accepted] or None
+            states = [acceptance_state(width, count) for count in row_accepted] or [AFTER_PLAIN] * rows
             during, between = during + ended - middle, between + middle - started
         best_during, best_between = min(best_during, during / rounds), min(best_between, between / rounds)
     return 1e6 * best_during, 1e6 * best_between
@@ -205,7 +206,7 @@ def main() -> None:
         print(json.dumps(collector_pauses(args.rows)))
         return
     if args.chooser:
-        for rows in (1, 16, 256):
+        for rows in (1, 4, 16, 256):
             during, between = chooser_us_per_round(rows)
             print(f"RoundWidthChooser, rows {rows}: {during:.1f} us per round while it runs, {between:.1f} us between "
                   "rounds")

@@ -417,3 +417,19 @@ def test_chooser_on_text_estimates_a_narrower_width_from_wider_rounds():
     assert tokens_per_round(accepted, 3, renewal=False) == pytest.approx(1 + (0 + 3 + 3 + 3) / 4)
     assert tokens_per_round(accepted, 3, renewal=True) == pytest.approx((1 + 4 + 8 + 8) / (1 + 1 + 2 + 2))
     assert tokens_per_round(accepted, 7, renewal=True) == pytest.approx(tokens_per_round(accepted, 7, renewal=False))
+
+
+def test_chooser_on_text_counts_the_drafts_accepted_after_each_acceptance_state():
+    """`next_round_by_state`: each drafting round of a request counts under the state its last round left it in
+    (AFTER_PLAIN for its first round and after a plain round; FULL + width after a round that accepted every draft)."""
+    from chooser_on_text import next_round_by_state
+
+    from dspark_hf.scheduling.round_widths import AFTER_PLAIN, FULL
+
+    requests = [([7, 7, 7, 0, 3], [7, 2, 0, 0, 3]), ([3, 3], [3, 1])]
+    assert next_round_by_state(requests) == {
+        AFTER_PLAIN: dict(rounds=3, accepted=(7 + 3 + 3) / 3),  # (first rounds, and the round after the plain one)
+        2: dict(rounds=1, accepted=0.0),
+        FULL + 3: dict(rounds=1, accepted=1.0),
+        FULL + 7: dict(rounds=1, accepted=2.0),
+    }

@@ -29,8 +29,10 @@ also kept per acceptance state of the rows before the round (`acceptance_state`:
 round, whether that was all of them, or AFTER_PLAIN), and `refine` picks each round's width from the states of the
 rows it runs, with each state's expected tokens (`state_tokens`: its own counts, `state_prior` verified drafts at the
 average row's hazards added). `choose` keeps the rest: which widths to measure, confirm or refresh, their times, and
-the width a round of average rows would take. On the CPU twin of the H100's code50m cells (`chooser_on_text.py`), this
-made c = 1 serve 1.018 x fixed γ = 3 (the best fixed width; 0.998-1.001 without it); at c = 4, 1.000.
+the width a round of average rows would take. Only rounds of at most `state_rows` rows are refined: with more, the
+states average out and the estimates per state are less sure than the average. On the CPU twin of the H100's code50m
+cells (`chooser_on_text.py`), c = 1 served 1.018 x fixed γ = 3, the best fixed width (1.000 without `refine`), and
+c = 4 0.994-1.000 (0.997-1.001 without); refining every round of 16 rows served 0.99 x (docs/serving_measurements.md).
 
 Round times drift: on the H200 machine every width's rounds slowed by a fifth within a few seconds, while a width
 that is not chosen runs only now and then. So only the chosen width's time is kept as such (the median of its last
