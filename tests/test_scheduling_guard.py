@@ -494,7 +494,7 @@ def test_width_chooser_refines_its_choice_by_the_rows_states():
     refresh one, nor a drafting round into a plain one while a row's state is unknown (AFTER_PLAIN: after a plain
     round every row's is, so the round after a plain one refined so drafts)."""
     seconds = {0: 1.0, 1: 1.1, 3: 1.2, 7: 1.4}
-    chooser = RoundWidthChooser(tuple(seconds), decay=1.0)
+    chooser = RoundWidthChooser(tuple(seconds), decay=1.0, state_rows=4)
     width = chooser.choose()
     assert chooser.reason == "measure" and chooser.refine(width, {FULL + 7: 1}) == width
     rng = random.Random(0)

@@ -31,8 +31,9 @@ rows it runs, with each state's expected tokens (`state_tokens`: its own counts,
 average row's hazards added). `choose` keeps the rest: which widths to measure, confirm or refresh, their times, and
 the width a round of average rows would take. Only rounds of at most `state_rows` rows are refined: with more, the
 states average out and the estimates per state are less sure than the average. On the CPU twin of the H100's code50m
-cells (`chooser_on_text.py`), c = 1 served 1.018 x fixed γ = 3, the best fixed width (1.000 without `refine`), and
-c = 4 0.994-1.000 (0.997-1.001 without); refining every round of 16 rows served 0.99 x (docs/serving_measurements.md).
+cells (`chooser_on_text.py`), c = 1 served 1.018 x fixed γ = 3, the best fixed width (1.000 without `refine`), c = 2
+1.012 (1.000); refining every round, c = 4 served 0.994 (0.997-1.001 without) and c = 16 0.99 x
+(docs/serving_measurements.md): hence `state_rows` = 2.
 
 Round times drift: on the H200 machine every width's rounds slowed by a fifth within a few seconds, while a width
 that is not chosen runs only now and then. So only the chosen width's time is kept as such (the median of its last
@@ -122,7 +123,7 @@ class RoundWidthChooser:
                  decay: float = 0.999, refresh_every: int = 32, max_refresh_every: int = 1024,
                  refresh_gap: float = 0.05, switch_margin: float = 0.02, decide_every: int = 8,
                  reference_rounds: int = 9, switch_confidence: float = 0.9, draws: int = 32, seed: int = 0,
-                 state_prior: float = 4.0, state_rows: int = 4):
+                 state_prior: float = 4.0, state_rows: int = 2):
         if not widths or min(widths) < 0 or samples < 1 or window < samples or not 0 < decay <= 1 \
                 or not 1 <= refresh_every <= max_refresh_every or refresh_gap <= 0 or switch_margin < 0 \
                 or decide_every < 1 or reference_rounds < 1 or not 0 < switch_confidence < 1 or draws < 1 \
@@ -195,8 +196,8 @@ class RoundWidthChooser:
         rows' acceptance, so after it every row is, and the next round drafts (a choice made on unknown states could
         otherwise stay plain for good). A width returned to measure, confirm or refresh one stands, and so does the
         width of a round of more than `state_rows` rows (their states average out, and the estimates per state are
-        less sure than the average: on the CPU twin of the GPU's cells, refining rounds of 16 rows served 0.99 x the
-        best fixed width). `reason` becomes "state" where the rows' states change the choice. (The engine calls this
+        less sure than the average: on the CPU twin of the GPU's cells, refining rounds of 4 rows served 0.994 x the
+        best fixed width, rounds of 16 0.99 x). `reason` becomes "state" where the rows' states change the choice. (The engine calls this
         between a round's end and the next one's start: `prepare` does most of the work before.)"""
         if self.reason not in REFINED or sum(states.values()) > self.state_rows:
             return width
