@@ -141,16 +141,17 @@
 #     on a fresh machine), 32 8 2 (16, 334 s), 256 128 (8, 208 s), 4 1 (64, 263 s), merged into
 #     serving_static_code50m_confident_chooser_h100.{json,png,json.gz}; then tests/test_cuda_graphs.py for 230 s
 #     (14 passed, unfinished; run it with PYTHONPATH=src).
-# Thirty-seventh session: no device machine could be started (every try refused); RoundWidthChooser.refine (library
-#     4e21d06: rounds of at most 4 rows take their width from the rows' acceptance states) measured on the CPU twin only
-#     (chooser_on_text_c{1,2,4}_*states_cpu.json).
+# Thirty-seventh session (library 5d0f9ea, one H100 after eleven refused starts: RoundWidthChooser.refine, rounds of
+#     at most 2 rows take their width from the rows' acceptance states): the code50m command below at c = 4 1
+#     (--requests-per-slot 64, 290 s, fresh machine) and 2 (16, 153 s), merged into
+#     serving_static_code50m_refine_h100.{json,png,json.gz,log}; the CPU twin's runs: chooser_on_text_c*_states_cpu.json.
 # Next (one call each, carry_sched; move demo_models/, drafters/ and benchmarks/results/ aside first; a device call
 #     returns at most eight files, so write fewer or split):
 #     1. `PYTHONPATH=src python -m pytest -q -p no:hypothesispytest -n 0 tests/test_cuda_graphs.py` (the whole file,
 #        more than 230 s): the narrow rounds' sampled graphs under CUDA graphs;
-#     2. the chooser's stickiness at c = 1 and 4 (an early confirmation of γ = 7 held for the rest of the cell; its
-#        per-round acceptance estimates lean to the width being run, docs/serving_measurements.md) and `refine` (library
-#        4e21d06, CPU twin only so far): the command at c = 4 1 (--requests-per-slot 64), then 16 64 and 32 8 2 (16):
+#     2. the chooser's stickiness (its base choice still settles on γ = 7 at c = 1, 2 and in one run at 4; its
+#        per-round acceptance estimates lean to the width being run, docs/serving_measurements.md): a change, then the
+#        command at c = 4 1 (--requests-per-slot 64), 2 (16), then 16 64 and 32 8 (16):
 #        SERVING_TIMEOUT=400 OUT=$OUT bash benchmarks/gpu_serving_run.sh --model code50m --static
 #        --graph-sizes-per-cell 1 --max-new-tokens 64 --repeats 3 --no-paged --policies no_spec fixed_1 fixed_3
 #        fixed_7 hardware_aware --requests-per-slot 16 --min-requests 64 --admission-rows 16

@@ -197,8 +197,9 @@ class RoundWidthChooser:
         otherwise stay plain for good). A width returned to measure, confirm or refresh one stands, and so does the
         width of a round of more than `state_rows` rows (their states average out, and the estimates per state are
         less sure than the average: on the CPU twin of the GPU's cells, refining rounds of 4 rows served 0.994 x the
-        best fixed width, rounds of 16 0.99 x). `reason` becomes "state" where the rows' states change the choice. (The engine calls this
-        between a round's end and the next one's start: `prepare` does most of the work before.)"""
+        best fixed width, rounds of 16 0.99 x). `reason` becomes "state" where the rows' states change the choice.
+        (The engine calls this between a round's end and the next one's start: `prepare` does most of the work
+        before.)"""
         if self.reason not in REFINED or sum(states.values()) > self.state_rows:
             return width
         self.prepare(rows)  # (done already, in the engine)
