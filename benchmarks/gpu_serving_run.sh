@@ -141,8 +141,8 @@
 #     on a fresh machine), 32 8 2 (16, 334 s), 256 128 (8, 208 s), 4 1 (64, 263 s), merged into
 #     serving_static_code50m_confident_chooser_h100.{json,png,json.gz}; then tests/test_cuda_graphs.py for 230 s
 #     (14 passed, unfinished; run it with PYTHONPATH=src).
-# Thirty-seventh session (library 5d0f9ea, one H100 after eleven refused starts: RoundWidthChooser.refine, rounds of
-#     at most 2 rows take their width from the rows' acceptance states): the code50m command below at c = 4 1
+# Thirty-seventh session (library 5d0f9ea, one H100 after seventeen refused calls; RoundWidthChooser.refine: rounds
+#     of at most 2 rows take their width from the rows' acceptance states): the code50m command below at c = 4 1
 #     (--requests-per-slot 64, 290 s, fresh machine) and 2 (16, 153 s), merged into
 #     serving_static_code50m_refine_h100.{json,png,json.gz,log}; the CPU twin's runs: chooser_on_text_c*_states_cpu.json.
 # Next (one call each, carry_sched; move demo_models/, drafters/ and benchmarks/results/ aside first; a device call
