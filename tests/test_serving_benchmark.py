@@ -6,6 +6,7 @@ import gzip
 import itertools
 import json
 import operator
+import random
 import types
 from collections import Counter
 import sys
@@ -14,6 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import shared_path
+
+import dspark_hf
+from dspark_hf.scheduling import RoundWidthChooser
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 serving = pytest.importorskip("serving")
@@ -433,3 +437,71 @@ def test_chooser_on_text_counts_the_drafts_accepted_after_each_acceptance_state(
         FULL + 3: dict(rounds=1, accepted=1.0),
         FULL + 7: dict(rounds=1, accepted=2.0),
     }
+
+
+def test_acceptance_field_predicts_the_static_engines_rounds_on_the_code_fixture():
+    """benchmarks/acceptance_field.py on the 50M fixture and its drafter (2 requests, 20 tokens): a fixed-width static
+    engine's accepted drafts, round by round, are the field's at each round's anchor (min(field, width); the round log
+    cuts a request's last round at its end, the field matches past it as the engine's verification does)."""
+    shared_path("fixtures", "code-llama-50m")
+    shared_path("data", "humaneval", "HumanEval.jsonl.gz")
+    import acceptance_field
+    from common import REPO, humaneval_prompts, load_target
+    from transformers import AutoTokenizer
+
+    from dspark_hf.serving import DSparkEngine
+
+    target = load_target("code50m", torch.float32, "cpu").eval()
+    drafter = dspark_hf.DSparkDraftModel.from_pretrained(REPO / "drafters" / "code50m-dspark",
+                                                         dtype=torch.float32).eval()
+    drafter.share_target_weights(target)
+    tokenizer = AutoTokenizer.from_pretrained(target.config._name_or_path)
+    prompts = [tokenizer(text)["input_ids"] for text in humaneval_prompts(2)]
+    fields = [acceptance_field.request_field(target, drafter, prompt, 20) for prompt in prompts]
+    assert any(0 < count < 7 for field in fields for count in field) and max(map(max, fields)) == 7
+    for width in (3, 7):
+        engine = DSparkEngine(target, drafter, static=True, policy="fixed", gamma=width, max_batch_size=1,
+                              max_model_len=max(map(len, prompts)) + 40, static_graph_batch_sizes={1})
+        for prompt, field in zip(prompts, fields):
+            engine.add_request(prompt, max_tokens=20, temperature=0.0, ignore_eos=True)
+            while engine.has_unfinished():
+                engine.step()
+            recorded = [count for entry in engine.round_log for count in entry["accepted"]]
+            engine.round_log.clear()
+            anchor, predicted = 0, []
+            while anchor < 19:  # (the prefill commits token 0; a round anchored at i commits up to i + accepted + 1)
+                accepted = min(field[anchor], width)
+                predicted.append(min(accepted, 18 - anchor))
+                anchor += accepted + 1
+            assert recorded == predicted
+
+
+def test_chooser_on_field_serves_fixed_widths_exactly_and_runs_the_chooser_as_the_engine_does():
+    """benchmarks/chooser_on_field.py on a made-up field: a fixed width commits min(field, width) + 1 tokens a round
+    from each row's anchor (requests joining at once, lowest free row first, each cut at its length), every round
+    costs its width's time, and the chooser's rounds add up to the same tokens."""
+    import chooser_on_field
+
+    field = [[7, 0, 3, 1, 7, 7, 2, 0] * 4, [0] * 32]
+    rows = chooser_on_field.FieldRows(field, 2)
+    waiting = [(0, 10), (1, 3), (1, 2)]
+    rows.admit(waiting)
+    assert rows.requests == [(0, 9), (1, 2)] and waiting == [(1, 2)]
+    assert rows.round(3) == [3, 0]  # row 0: anchor 0 -> 4; row 1: anchor 0 -> 1
+    assert rows.position == [4, 1] and rows.requests == [(0, 5), (1, 1)]
+    assert rows.round(7) == [7, 0]  # row 0 commits 5 (its last), row 1 its last one: both leave
+    assert rows.occupied() == []
+    rows.admit(waiting)
+    assert rows.requests[0] == (1, 1) and rows.position[0] == 0
+    times = {0: 1e-3, 1: 2e-3, 3: 3e-3, 7: 4e-3}
+    lengths = [12, 20, 7, 16]
+    fixed = chooser_on_field.serve(field, lengths, chooser_on_field.FieldRows(field, 2), 3, None, times, 0.0,
+                                   random.Random(0))
+    assert fixed["tokens"] == sum(lengths)
+    assert fixed["gpu_seconds"] == pytest.approx(3e-3 * fixed["rounds"][3]) and set(fixed["rounds"]) == {3}
+    chooser = RoundWidthChooser((0, 1, 3, 7))
+    chosen = chooser_on_field.serve(field, lengths * 8, chooser_on_field.FieldRows(field, 2), None, chooser, times,
+                                    0.0, random.Random(0))
+    assert chosen["tokens"] == 8 * sum(lengths) and set(chosen["rounds"]) == {0, 1, 3, 7}
+    assert chosen["gpu_seconds"] == pytest.approx(sum(times[w] * n for w, n in chosen["rounds"].items()))
+    assert chooser.summary()[2][7]["round_ms"] == pytest.approx(4.0)

@@ -1,0 +1,189 @@
+"""The static engine's round widths served on a measured acceptance field: any policy, any concurrency, in seconds.
+
+    PYTHONPATH=src:benchmarks python benchmarks/chooser_on_field.py \
+        benchmarks/results/acceptance_field_code50m_cpu.json --concurrency 1 --seeds 8 --out ...
+
+`benchmarks/acceptance_field.py` gives, for each of the serving cells' code50m requests, the drafts a round anchored
+at each of its positions accepts (greedy decoding commits the same tokens under every policy, so a round's acceptance
+depends only on where it starts and how many drafts it verifies). This serves `benchmarks/chooser_on_text.py`'s
+requests on that field the way `DSparkEngine(static=True)` runs them there (`--concurrency` rows every round, joins at
+once into the lowest free row, a warm-up run of 8-token requests, then `--repeats` timed runs, one chooser across
+them), with each round taking its width's GPU time (`--times`, milliseconds of plain, γ = 1, 3 and 7 rounds) times
+log-normal noise. The chooser is called as the engine calls it: each round's width chosen while the round before runs
+(before that round is recorded), `refine`d once the round before is done, `prepare`d during the round. So it replays
+what `chooser_on_text.py` measures (its fixed widths exactly, the chooser to within the drafter context a long plain
+run drops) about a thousand times faster, which makes seeds cheap: each policy's tokens per second is reported per
+seed (the noise's and the chooser's draws), and hardware-aware's ratio to the best fixed width as mean ± standard
+error over the seeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+from collections import Counter
+from pathlib import Path
+
+from common import environment
+from serving import request_count, request_lengths
+
+from dspark_hf.scheduling.round_widths import AFTER_PLAIN, FULL, RoundWidthChooser
+
+WIDTHS = (0, 1, 3, 7)
+
+
+class FieldRows:
+    """A static engine's rows on the acceptance field: which request each row serves and where it stands."""
+
+    def __init__(self, field: list[list[int]], concurrency: int):
+        self.field, self.concurrency = field, concurrency
+        self.requests: list[tuple[int, int] | None] = [None] * concurrency  # (field row, tokens left to commit)
+        self.position = [0] * concurrency  # each row's anchor: its request's new tokens committed, less one
+        self.states = [AFTER_PLAIN] * concurrency  # each row's `acceptance_state` after its last round
+
+    def admit(self, waiting: list[tuple[int, int]]) -> None:
+        """Joins waiting (field row, length) requests into the free rows, lowest first; the prefill commits a
+        request's first token."""
+        for slot in range(self.concurrency):
+            if self.requests[slot] is None and waiting:
+                field_row, length = waiting.pop(0)
+                self.requests[slot], self.position[slot], self.states[slot] = (field_row, length - 1), 0, AFTER_PLAIN
+
+    def occupied(self) -> list[int]:
+        return [slot for slot, request in enumerate(self.requests) if request is not None]
+
+    def round(self, width: int) -> list[int]:
+        """One round verifying `width` drafts of every row: each occupied row's accepted drafts (as the engine
+        records them: not cut at the request's end); finished requests leave."""
+        accepted_drafts = []
+        for slot in self.occupied():
+            field_row, left = self.requests[slot]
+            accepted = min(self.field[field_row][self.position[slot]], width)
+            committed = min(accepted + 1, left)
+            self.position[slot] += committed
+            self.requests[slot] = (field_row, left - committed) if left > committed else None
+            accepted_drafts.append(accepted)
+        return accepted_drafts
+
+
+def serve(field: list[list[int]], lengths: list[int], rows: FieldRows, width: int | None,
+          chooser: RoundWidthChooser | None, times: dict[int, float], spread: float, rng: random.Random) -> dict:
+    """One run of requests of `lengths` (request i on field row i mod the field's rows): tokens, GPU seconds and
+    rounds per width; a fixed `width`, or `chooser`'s choice each round."""
+    waiting = [(index % len(field), length) for index, length in enumerate(lengths)]
+    seconds, widths, planned, unrecorded, drafted_last = 0.0, Counter(), None, None, False
+    states_current = True
+    count = rows.concurrency
+    while waiting or rows.occupied():
+        rows.admit(waiting)
+        occupied = rows.occupied()
+        states = None
+        if chooser is not None:
+            verify = planned if planned is not None else chooser.choose(count)
+            tracked = len(occupied) <= chooser.state_rows
+            if tracked and not drafted_last:
+                states = [AFTER_PLAIN] * len(occupied)
+            elif tracked and states_current:
+                states = [rows.states[slot] for slot in occupied]
+            if states is not None:
+                verify = chooser.refine(verify, Counter(states), count)
+        else:
+            verify = width
+        took = times[verify] * math.exp(rng.gauss(0.0, spread))
+        if chooser is not None:  # during the round: the one before recorded, the next one's width chosen
+            if unrecorded is not None:
+                chooser.record(*unrecorded)
+            planned = chooser.choose(count)
+            if len(occupied) <= chooser.state_rows:
+                chooser.prepare(count)
+        accepted = rows.round(verify)
+        seconds += took
+        widths[verify] += 1
+        drafted_last = verify > 0
+        if chooser is not None:
+            unrecorded = (verify, took, accepted, count, False, states)
+            states_current = len(occupied) <= chooser.state_rows and verify > 0
+            if states_current:
+                for slot, drafts in zip(occupied, accepted):
+                    rows.states[slot] = drafts if drafts < verify else FULL + verify
+            if not rows.occupied():
+                chooser.record(*unrecorded)
+                planned, unrecorded = None, None
+    tokens = sum(lengths)
+    return dict(tokens=tokens, gpu_seconds=seconds, tokens_per_second=tokens / seconds,
+                rounds=dict(sorted(widths.items())))
+
+
+def run_policy(field: list[list[int]], policy: str, concurrency: int, args, seed: int,
+               chooser_options: dict) -> list[dict]:
+    """A warm-up run of 8-token requests, then `args.repeats` timed runs of one policy's engine."""
+    rng = random.Random(seed)
+    rows = FieldRows(field, concurrency)
+    chooser = RoundWidthChooser(WIDTHS, seed=seed, **chooser_options) if policy == "hardware_aware" else None
+    width = None if chooser is not None else int(policy.removeprefix("fixed_"))
+    warm_up = argparse.Namespace(**{**vars(args), "max_new_tokens": 8})
+    times = {width: ms / 1e3 for width, ms in zip(WIDTHS, args.times)}
+    serve(field, request_lengths(request_count(concurrency, warm_up), warm_up), rows, width, chooser, times,
+          args.spread, rng)
+    lengths = request_lengths(request_count(concurrency, args), args)
+    return [serve(field, lengths, rows, width, chooser, times, args.spread, rng) for _ in range(args.repeats)]
+
+
+def cell(field: list[list[int]], concurrency: int, args, chooser_options: dict) -> dict:
+    """Every policy over `args.seeds` seeds at one concurrency: each one's tokens per second per seed (timed runs
+    pooled), and hardware-aware over the best fixed width (mean, standard error)."""
+    per_seed = {policy: [] for policy in args.policies}
+    rounds = {policy: Counter() for policy in args.policies}
+    for seed in range(args.seeds):
+        for policy in args.policies:
+            runs = run_policy(field, policy, concurrency, args, seed, chooser_options)
+            per_seed[policy].append(sum(run["tokens"] for run in runs) / sum(run["gpu_seconds"] for run in runs))
+            for run in runs:
+                rounds[policy].update(run["rounds"])
+    result = dict(tokens_per_second={policy: statistics.mean(rates) for policy, rates in per_seed.items()},
+                  per_seed=per_seed, rounds={policy: dict(sorted(counts.items())) for policy, counts in rounds.items()})
+    fixed = [policy for policy in args.policies if policy != "hardware_aware"]
+    if "hardware_aware" in per_seed and fixed:
+        best = max(fixed, key=result["tokens_per_second"].__getitem__)
+        ratios = [ha / rate for ha, rate in zip(per_seed["hardware_aware"], per_seed[best])]
+        result.update(best_fixed=best, hardware_aware_over_best_fixed=statistics.mean(ratios),
+                      standard_error=statistics.stdev(ratios) / math.sqrt(len(ratios)) if len(ratios) > 1 else None)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("field", type=Path, help="benchmarks/acceptance_field.py's output")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--times", type=float, nargs=4, default=[0.326, 0.49, 0.517, 0.566],
+                        help="GPU round milliseconds of plain, γ = 1, 3 and 7 rounds (default: the H100's at c = 4)")
+    parser.add_argument("--spread", type=float, default=0.02, help="log-normal noise on each round time")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--length-spread", type=float, default=0.5)
+    parser.add_argument("--requests-per-slot", type=int, default=16)
+    parser.add_argument("--min-requests", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--seeds", type=int, default=8)
+    parser.add_argument("--policies", nargs="+", default=["fixed_0", "fixed_1", "fixed_3", "fixed_7", "hardware_aware"])
+    parser.add_argument("--chooser", nargs="*", default=[], metavar="NAME=VALUE",
+                        help="RoundWidthChooser arguments for hardware-aware, e.g. state_rows=0")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    field = json.loads(args.field.read_text())["accepted"]
+    chooser_options = {name: float(value) if "." in value else int(value)
+                       for name, value in (setting.split("=") for setting in args.chooser)}
+    report = dict(field=str(args.field), cells={}, environment=environment(), command=vars(args) | {
+        "field": str(args.field), "out": str(args.out)})
+    for concurrency in args.concurrency:
+        result = report["cells"][concurrency] = cell(field, concurrency, args, chooser_options)
+        print(f"c = {concurrency}: " + json.dumps({key: value for key, value in result.items() if key != "per_seed"}),
+              flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
