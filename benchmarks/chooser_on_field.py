@@ -89,7 +89,7 @@ def serve(field: list[list[int]], lengths: list[int], rows: FieldRows, width: in
             elif tracked and states_current:
                 states = [rows.states[slot] for slot in occupied]
             if states is not None:
-                verify = chooser.refine(verify, Counter(states), count)
+                verify = chooser.refine(verify, states, count)
         else:
             verify = width
         took = times[verify] * math.exp(rng.gauss(0.0, spread))

@@ -40,7 +40,6 @@ import random
 import subprocess
 import sys
 import time
-from collections import Counter
 
 import torch
 
@@ -152,7 +151,7 @@ def chooser_us_per_round(rows: int, rounds: int = 20000, repeats: int = 5) -> tu
         states, planned = [AFTER_PLAIN] * rows, chooser.choose(rows)
         for index in range(rounds):
             started = time.perf_counter()
-            width = chooser.refine(planned, Counter(states), rows) if tracked else planned
+            width = chooser.refine(planned, states, rows) if tracked else planned
             middle = time.perf_counter()
             row_accepted = accepted[index % 64] if width else []
             chooser.record(width, 0.001 if width == 7 else 0.0011, row_accepted, rows,

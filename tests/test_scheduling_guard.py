@@ -7,7 +7,7 @@ import random
 import pytest
 
 from dspark_hf.scheduling import RoundWidthChooser, SpeculationGuard, SPSTable
-from dspark_hf.scheduling.round_widths import AFTER_PLAIN, FULL, acceptance_state
+from dspark_hf.scheduling.round_widths import AFTER_PLAIN, FULL, REFINED, acceptance_state
 
 
 def drive(guard: SpeculationGuard, rounds: int, batch: int, cost, tokens_per_row, plain_seconds=lambda i: 1.0,
@@ -455,6 +455,36 @@ def test_width_chooser_estimates_acceptance_per_state_with_every_row_as_prior():
         RoundWidthChooser((0, 2), state_prior=0)
 
 
+def test_width_chooser_counts_rows_per_state_every_state_every_rounds():
+    """A round's rows are only tallied; `prepare` (every `state_every` rounds) or `state_tokens` counts them, each
+    state's draft slot decaying once for each tallied row whose round verified it, and `refine`'s table is rebuilt
+    only then."""
+    chooser = RoundWidthChooser((0, 1, 2), decay=0.5, state_every=3, samples=1, warmup=0)
+    chooser.record(2, 1.0, [2], states=[5])
+    assert chooser._state_counts == {} and chooser.state_tokens(5)  # (reading folds the tally)
+    assert chooser._state_counts[5] == ([1.0, 1.0], [1.0, 1.0])
+    chooser.record(1, 1.0, [0], states=[5])  # verifies slot 1 only
+    chooser.record(2, 1.0, [1], states=[5])
+    chooser.state_tokens(5)
+    # slot 1 verified by both rows (x 0.25), slot 2 by one (x 0.5); then the rows: reached 1 + 1 and 0 + 1 ...
+    assert chooser._state_counts[5] == (pytest.approx([0.25 + 2, 0.5 + 1]), pytest.approx([0.25 + 1, 0.5 + 0]))
+    for width in (0, 1, 2):
+        chooser.record(width, 1.0 + width, [1] if width else [], captured=True)
+    while (width := chooser.choose()) is not None and chooser.reason not in REFINED:
+        chooser.record(width, 1.0 + width, [1] if width else [], captured=True)
+    chooser.prepare()
+    table = chooser._state_rates
+    chooser.record(2, 1.0, [2], states=[FULL + 2])
+    chooser.prepare()
+    assert chooser._state_rates is table and FULL + 2 not in table[2]  # (rebuilt only after `state_every` rounds)
+    chooser.record(2, 1.0, [2], states=[FULL + 2])
+    chooser.record(2, 1.0, [2], states=[FULL + 2])
+    chooser.prepare()
+    assert chooser._state_rates is not table and FULL + 2 in chooser._state_rates[2]
+    with pytest.raises(ValueError):
+        RoundWidthChooser((0, 2), state_every=0)
+
+
 def drive_regimes(chooser: RoundWidthChooser | None, width: int, rounds: int, seconds: dict, seed: int = 0) -> float:
     """One row whose text alternates between easy stretches (each draft accepted with probability 0.95) and hard ones
     (0.3), a stretch going on with probability 0.95 from round to round. Each round verifies `width` drafts, or what
@@ -463,7 +493,7 @@ def drive_regimes(chooser: RoundWidthChooser | None, width: int, rounds: int, se
     easy, state, tokens, elapsed = True, AFTER_PLAIN, 0, 0.0
     for _ in range(rounds):
         if chooser is not None:
-            width = chooser.refine(chooser.choose(), {state: 1})
+            width = chooser.refine(chooser.choose(), [state])
         accepted = 0
         while accepted < width and rng.random() < (0.95 if easy else 0.3):
             accepted += 1
@@ -496,7 +526,7 @@ def test_width_chooser_refines_its_choice_by_the_rows_states():
     seconds = {0: 1.0, 1: 1.1, 3: 1.2, 7: 1.4}
     chooser = RoundWidthChooser(tuple(seconds), decay=1.0, state_rows=4)
     width = chooser.choose()
-    assert chooser.reason == "measure" and chooser.refine(width, {FULL + 7: 1}) == width
+    assert chooser.reason == "measure" and chooser.refine(width, [FULL + 7]) == width
     rng = random.Random(0)
 
     def accepted(width: int) -> list[int]:  # every draft accepted with probability 1/2: 3 drafts do best
@@ -513,14 +543,14 @@ def test_width_chooser_refines_its_choice_by_the_rows_states():
     while (width := chooser.choose()) and chooser.reason == "refresh":
         chooser.record(width, seconds[width], [], captured=True)
     assert width == 3 and chooser.reason in ("settled", "keep")
-    assert chooser.refine(width, {0: 4}) == 3 and chooser.reason != "state"
-    assert chooser.refine(width, {FULL + 7: 2, 0: 2}) == 7 and chooser.reason == "state"
+    assert chooser.refine(width, [0] * 4) == 3 and chooser.reason != "state"
+    assert chooser.refine(width, [FULL + 7, 0, FULL + 7, 0]) == 7 and chooser.reason == "state"
     assert chooser.rates[7] > chooser.rates[3]
     chooser.reason = "keep"
-    assert chooser.refine(width, {2: 4}) == 0  # rows that accept none: a plain round
+    assert chooser.refine(width, [2] * 4) == 0  # rows that accept none: a plain round
     chooser.reason = "keep"
-    assert chooser.refine(width, {2: 3, AFTER_PLAIN: 1}) != 0  # ... but not while a row's state is unknown
+    assert chooser.refine(width, [2, 2, AFTER_PLAIN, 2]) != 0  # ... but not while a row's state is unknown
     chooser.reason = "keep"
-    assert chooser.refine(width, {FULL + 7: 4, 0: 1}) == width  # more than `state_rows` rows: as chosen
+    assert chooser.refine(width, [FULL + 7] * 4 + [0]) == width  # more than `state_rows` rows: as chosen
     chooser.reason = "keep"
-    assert chooser.refine(0, {FULL + 7: 4}) == 7  # a plain round may become a drafting one
+    assert chooser.refine(0, [FULL + 7] * 4) == 7  # a plain round may become a drafting one

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections import Counter
 from collections.abc import Iterable
 from contextlib import nullcontext
 
@@ -385,7 +384,7 @@ class StaticRows:
         elif tracked and self._states_current:
             states = [self.acceptance_states[index] for index in occupied]
         if states is not None:
-            refined = self.chooser.refine(verify, Counter(states), count)
+            refined = self.chooser.refine(verify, states, count)
             if refined != verify:
                 verify, self.choice = refined, (self.chooser.reason, self.chooser.rates)
         started = time.perf_counter()

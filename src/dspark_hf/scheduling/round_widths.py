@@ -29,7 +29,9 @@ also kept per acceptance state of the rows before the round (`acceptance_state`:
 round, whether that was all of them, or AFTER_PLAIN), and `refine` picks each round's width from the states of the
 rows it runs, with each state's expected tokens (`state_tokens`: its own counts, `state_prior` verified drafts at the
 average row's hazards added). `choose` keeps the rest: which widths to measure, confirm or refresh, their times, and
-the width a round of average rows would take. Only rounds of at most `state_rows` rows are refined: with more, the
+the width a round of average rows would take. The rows are counted per state, and `refine`'s table rebuilt, every
+`state_every` rounds (`prepare`, while the device runs a round): the engine asks every round, and a small model's
+round lasts about half a millisecond. Only rounds of at most `state_rows` rows are refined: with more, the
 states average out and the estimates per state are less sure than the average. On the CPU twin of the H100's code50m
 cells (`chooser_on_text.py`), c = 1 served 1.018 x fixed γ = 3, the best fixed width (1.000 without `refine`), c = 2
 1.012 (1.000); refining every round, c = 4 served 0.994 (0.997-1.001 without) and c = 16 0.99 x
@@ -73,6 +75,7 @@ import operator
 import random
 import statistics
 from collections import Counter, deque
+from collections.abc import Sequence
 
 # A row's acceptance state, what the chooser conditions its acceptance on (`acceptance_state`): before its first
 # drafting round and after a plain round, AFTER_PLAIN; after a drafting round, the drafts it accepted, or FULL + the
@@ -117,21 +120,23 @@ class RoundWidthChooser:
             (`state_tokens`).
         state_rows: `refine` changes the width of rounds of at most this many rows (0: never); the engine counts the
             rows' states only in such rounds.
+        state_every: rounds between updates of the per-state counts and of `refine`'s table (`prepare`): the engine
+            asks every round, and a state's estimate, like the average row's, remembers about a thousand rounds.
     """
 
     def __init__(self, widths: tuple[int, ...], warmup: int = 2, samples: int = 3, window: int = 25,
                  decay: float = 0.999, refresh_every: int = 32, max_refresh_every: int = 1024,
                  refresh_gap: float = 0.05, switch_margin: float = 0.02, decide_every: int = 8,
                  reference_rounds: int = 9, switch_confidence: float = 0.9, draws: int = 32, seed: int = 0,
-                 state_prior: float = 4.0, state_rows: int = 2):
+                 state_prior: float = 4.0, state_rows: int = 2, state_every: int = 32):
         if not widths or min(widths) < 0 or samples < 1 or window < samples or not 0 < decay <= 1 \
                 or not 1 <= refresh_every <= max_refresh_every or refresh_gap <= 0 or switch_margin < 0 \
                 or decide_every < 1 or reference_rounds < 1 or not 0 < switch_confidence < 1 or draws < 1 \
-                or state_prior <= 0 or state_rows < 0:
+                or state_prior <= 0 or state_rows < 0 or state_every < 1:
             raise ValueError("RoundWidthChooser needs widths >= 0, samples >= 1, window >= samples, 0 < decay <= 1, "
                              "1 <= refresh_every <= max_refresh_every, refresh_gap > 0, switch_margin >= 0, "
                              "decide_every >= 1, reference_rounds >= 1, 0 < switch_confidence < 1, draws >= 1, "
-                             "state_prior > 0 and state_rows >= 0.")
+                             "state_prior > 0, state_rows >= 0 and state_every >= 1.")
         self.widths = tuple(sorted(set(widths)))
         self.warmup, self.samples, self.decay = warmup, samples, decay
         self.refresh_every, self.max_refresh_every, self.refresh_gap = refresh_every, max_refresh_every, refresh_gap
@@ -146,13 +151,14 @@ class RoundWidthChooser:
         self._reached = [0.0] * longest  # drafts j verified with drafts < j accepted
         self._accepted = [0.0] * longest  # ... and accepted
         self._expected: list[float] | None = None  # expected_tokens(v) for v = 0..longest, until the next record
-        # the same counts per acceptance state of the rows before the round, and state_tokens(state) until the next
-        # record
+        # the same counts per acceptance state of the rows before the round; the rows not counted in them yet, per
+        # (state, width, accepted drafts) (`_fold_states`); state_tokens(state) until the next record
         self._state_counts: dict[int, tuple[list[float], list[float]]] = {}
+        self._unfolded: dict[tuple[int, int, int], int] = {}
         self._state_expected: dict[int, list[float]] = {}
         self._state_rates: tuple | None = None  # `prepare`'s (rows, each width's seconds, each state's rates)
         self._records_since_prepared = 0
-        self.state_prior, self.state_rows = state_prior, state_rows
+        self.state_prior, self.state_rows, self.state_every = state_prior, state_rows, state_every
         self.switch_confidence, self.draws = switch_confidence, draws
         self._rng = random.Random(seed)
         # why the last `choose` returned its width, and the expected rates (tokens per second and row) it compared,
@@ -176,6 +182,8 @@ class RoundWidthChooser:
         """Tokens a row in acceptance `state` (`acceptance_state`) is expected to commit in a round that verifies
         v = 0..max width drafts. Each hazard is the state's counts with `state_prior` verified drafts at the
         hazard of all rows (its posterior mean) added: a state's slot seldom verified takes the rows' average."""
+        if self._unfolded:
+            self._fold_states()
         expected = self._state_expected.get(state)
         if expected is None:
             prior = self.state_prior
@@ -187,32 +195,28 @@ class RoundWidthChooser:
             expected = self._state_expected[state] = list(itertools.accumulate(survival, initial=1.0))
         return expected
 
-    def refine(self, width: int, states: dict[int, int], rows: int = 0) -> int:
-        """The next round's width, given the one `choose` returned and how many of the round's rows are in each
-        acceptance state (`acceptance_state` of their last round): the width with the most expected tokens per
-        second for these rows. A row that just accepted all its drafts tends to accept many again, one that accepted
-        none few, so the best width changes from round to round; `choose` compares widths on the average row. A
-        drafting round becomes a plain one only if no row is in state AFTER_PLAIN: a plain round tells nothing of the
-        rows' acceptance, so after it every row is, and the next round drafts (a choice made on unknown states could
-        otherwise stay plain for good). A width returned to measure, confirm or refresh one stands, and so does the
-        width of a round of more than `state_rows` rows (their states average out, and the estimates per state are
-        less sure than the average: on the CPU twin of the GPU's cells, refining rounds of 4 rows served 0.994 x the
-        best fixed width, rounds of 16 0.99 x). `reason` becomes "state" where the rows' states change the choice.
-        (The engine calls this between a round's end and the next one's start: `prepare` does most of the work
-        before.)"""
-        if self.reason not in REFINED or sum(states.values()) > self.state_rows:
+    def refine(self, width: int, states: Sequence[int], rows: int = 0) -> int:
+        """The next round's width, given the one `choose` returned and the acceptance state (`acceptance_state` of
+        their last round) of each of the round's rows: the width with the most expected tokens per second for these
+        rows. A row that just accepted all its drafts tends to accept many again, one that accepted none few, so the
+        best width changes from round to round; `choose` compares widths on the average row. A drafting round becomes
+        a plain one only if no row is in state AFTER_PLAIN: a plain round tells nothing of the rows' acceptance, so
+        after it every row is, and the next round drafts (a choice made on unknown states could otherwise stay plain
+        for good). A width returned to measure, confirm or refresh one stands, and so does the width of a round of
+        more than `state_rows` rows (their states average out, and the estimates per state are less sure than the
+        average: on the CPU twin of the GPU's cells, refining rounds of 4 rows served 0.994 x the best fixed width,
+        rounds of 16 0.99 x). `reason` becomes "state" where the rows' states change the choice. (The engine calls
+        this between a round's end and the next one's start, where the device waits: it reads the table `prepare`
+        built during the round before.)"""
+        if self.reason not in REFINED or len(states) > self.state_rows:
             return width
         self.prepare(rows)  # (done already, in the engine)
         _, seconds, table = self._state_rates
+        rates = None
+        for state in states:
+            row_rates = table.get(state) or self._state_rates_of(state, seconds)
+            rates = row_rates if rates is None else [total + rate for total, rate in zip(rates, row_rates)]
         first = 0 if width == 0 or AFTER_PLAIN not in states or self.widths[0] != 0 else 1  # (the first candidate)
-        if len(states) == 1:
-            [state] = states
-            rates = table[state] if state in table else self._state_rates_of(state, seconds)
-        else:
-            rates = [0.0] * len(self.widths)
-            for state, count in states.items():
-                for index, rate in enumerate(table[state] if state in table else self._state_rates_of(state, seconds)):
-                    rates[index] += count * rate
         best = max(range(first, len(self.widths)), key=rates.__getitem__)
         if self.widths[best] != width:
             self.reason, self.rates = "state", dict(zip(self.widths, rates))
@@ -220,13 +224,14 @@ class RoundWidthChooser:
 
     def prepare(self, rows: int = 0) -> None:
         """Computes, for `refine` in rounds of `rows` rows, every state's expected tokens per second at each width,
-        at most every `decide_every` rounds (like the choice itself, once settled): the engine calls it while the
-        device runs a round, after `choose`. (Nothing to do when `choose` returned a width to measure, confirm or
-        refresh: not every width's time may be known then.)"""
+        once every `state_every` rounds: the engine calls it while the device runs a round, after `choose`, and most
+        calls return at once. (Nothing to do when `choose` returned a width to measure, confirm or refresh: not every
+        width's time may be known then.)"""
         if self.reason not in REFINED or (self._state_rates is not None and self._state_rates[0] == rows
-                                          and self._records_since_prepared < self.decide_every):
+                                          and self._records_since_prepared < self.state_every):
             return
         self._records_since_prepared = 0
+        self._fold_states()
         seconds = [self._seconds(width, rows) for width in self.widths]
         self._state_rates = (rows, seconds, {state: self._state_rates_of(state, seconds)
                                              for state in (AFTER_PLAIN, *self._state_counts)})
@@ -344,20 +349,36 @@ class RoundWidthChooser:
             return
         self._count(width, Counter(accepted), len(accepted), self._reached, self._accepted)
         self._expected = None
-        self._state_expected.clear()
-        if states is None:
-            return
-        by_state: dict[int, dict[int, int]] = {}
-        for (state, count), rows_with in Counter(zip(states, accepted)).items():
-            if state in by_state:
-                by_state[state][count] = rows_with
-            else:
-                by_state[state] = {count: rows_with}
-        longest = max(self.widths)
-        for state, rows_with in by_state.items():
+        self._state_expected.clear()  # (each state's prior is the average row's)
+        if states is not None:  # (counted per state at the next `prepare` or `state_tokens`: most rounds read none)
+            unfolded = self._unfolded
+            for state, count in zip(states, accepted):
+                key = (state, width, count)
+                unfolded[key] = unfolded.get(key, 0) + 1
+
+    def _fold_states(self) -> None:
+        """Adds the rows recorded since the last fold to their states' counts. A state's draft slot decays by `decay`
+        for each of those rows whose round verified it (per row, where the average row's counts decay per round;
+        within one fold, every row counts alike)."""
+        longest, decay = max(self.widths), self.decay
+        verified: dict[int, list[int]] = {}  # per state, per draft slot: the rows that verified it
+        for (state, width, _), rows in self._unfolded.items():
+            slots = verified.setdefault(state, [0] * longest)
+            for slot in range(width):
+                slots[slot] += rows
+        for state, slots in verified.items():
             if state not in self._state_counts:
                 self._state_counts[state] = ([0.0] * longest, [0.0] * longest)
-            self._count(width, rows_with, sum(rows_with.values()), *self._state_counts[state])
+            for counts in self._state_counts[state]:
+                counts[:] = [count * decay ** rows for count, rows in zip(counts, slots)]
+        for (state, width, count), rows in self._unfolded.items():
+            reached, accepted_counts = self._state_counts[state]
+            for slot in range(min(count + 1, width)):  # (a row that accepted `count` drafts verified draft count + 1)
+                reached[slot] += rows
+            for slot in range(min(count, width)):
+                accepted_counts[slot] += rows
+        self._unfolded.clear()
+        self._state_expected.clear()
 
     def _count(self, width: int, rows_with: dict[int, int], rows: int, reached: list[float],
                accepted_counts: list[float]) -> None:
