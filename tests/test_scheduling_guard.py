@@ -521,8 +521,7 @@ def test_width_chooser_follows_the_rows_state_from_round_to_round():
 
 def test_width_chooser_refines_its_choice_by_the_rows_states():
     """`refine` picks the width the rows' states favour. It changes neither a width returned to measure, confirm or
-    refresh one, nor a drafting round into a plain one while a row's state is unknown (AFTER_PLAIN: after a plain
-    round every row's is, so the round after a plain one refined so drafts)."""
+    refresh one, nor a drafting round into a plain one (a plain round may become a drafting one)."""
     seconds = {0: 1.0, 1: 1.1, 3: 1.2, 7: 1.4}
     chooser = RoundWidthChooser(tuple(seconds), decay=1.0, state_rows=4)
     width = chooser.choose()
@@ -547,9 +546,7 @@ def test_width_chooser_refines_its_choice_by_the_rows_states():
     assert chooser.refine(width, [FULL + 7, 0, FULL + 7, 0]) == 7 and chooser.reason == "state"
     assert chooser.rates[7] > chooser.rates[3]
     chooser.reason = "keep"
-    assert chooser.refine(width, [2] * 4) == 0  # rows that accept none: a plain round
-    chooser.reason = "keep"
-    assert chooser.refine(width, [2, 2, AFTER_PLAIN, 2]) != 0  # ... but not while a row's state is unknown
+    assert chooser.refine(width, [2] * 4) == 1  # rows that accept none: the narrowest drafting round, never a plain one
     chooser.reason = "keep"
     assert chooser.refine(width, [FULL + 7] * 4 + [0]) == width  # more than `state_rows` rows: as chosen
     chooser.reason = "keep"
