@@ -145,12 +145,16 @@
 #     of at most 2 rows take their width from the rows' acceptance states): the code50m command below at c = 4 1
 #     (--requests-per-slot 64, 290 s, fresh machine) and 2 (16, 153 s), merged into
 #     serving_static_code50m_refine_h100.{json,png,json.gz,log}; the CPU twin's runs: chooser_on_text_c*_states_cpu.json.
+# Thirty-eighth session (one H100): the same command at c = 4 1 2 with library 646f835 (per-state counts folded every
+#     32 rounds; 566 s, c = 2 unfinished: serving_static_code50m_fold_h100.*), then at c = 1 2 with 2eb104b (refine
+#     never runs a plain round; 374 s on a fresh machine: serving_static_code50m_drafting_refine_h100.*).
 # Next (one call each, carry_sched; move demo_models/, drafters/ and benchmarks/results/ aside first; a device call
 #     returns at most eight files, so write fewer or split):
 #     1. `PYTHONPATH=src python -m pytest -q -p no:hypothesispytest -n 0 tests/test_cuda_graphs.py` (the whole file,
 #        more than 230 s): the narrow rounds' sampled graphs under CUDA graphs;
 #     2. the chooser's stickiness (its base choice still settles on γ = 7 at c = 1, 2 and in one run at 4; its
-#        per-round acceptance estimates lean to the width being run, docs/serving_measurements.md): a change, then the
+#        per-round acceptance estimates lean to the width being run, measured on the acceptance field in
+#        docs/serving_measurements.md; try fixes with benchmarks/chooser_on_field.py first): a change, then the
 #        command at c = 4 1 (--requests-per-slot 64), 2 (16), then 16 64 and 32 8 (16):
 #        SERVING_TIMEOUT=400 OUT=$OUT bash benchmarks/gpu_serving_run.sh --model code50m --static
 #        --graph-sizes-per-cell 1 --max-new-tokens 64 --repeats 3 --no-paged --policies no_spec fixed_1 fixed_3
