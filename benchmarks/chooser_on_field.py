@@ -27,6 +27,7 @@ import statistics
 from collections import Counter
 from pathlib import Path
 
+from chooser_on_text import add_cell_arguments
 from common import environment
 from serving import request_count, request_lengths
 
@@ -158,14 +159,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("field", type=Path, help="benchmarks/acceptance_field.py's output")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--times", type=float, nargs=4, default=[0.326, 0.49, 0.517, 0.566],
-                        help="GPU round milliseconds of plain, γ = 1, 3 and 7 rounds (default: the H100's at c = 4)")
-    parser.add_argument("--spread", type=float, default=0.02, help="log-normal noise on each round time")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--length-spread", type=float, default=0.5)
-    parser.add_argument("--requests-per-slot", type=int, default=16)
-    parser.add_argument("--min-requests", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=2)
+    add_cell_arguments(parser)
     parser.add_argument("--seeds", type=int, default=8)
     parser.add_argument("--policies", nargs="+", default=["fixed_0", "fixed_1", "fixed_3", "fixed_7", "hardware_aware"])
     parser.add_argument("--chooser", nargs="*", default=[], metavar="NAME=VALUE",

@@ -125,9 +125,8 @@ def make(target, drafter, policy: str, concurrency: int, longest: int) -> DSpark
                         static_graph_batch_sizes={concurrency}, admission_batch=1)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--concurrency", type=int, default=4)
+def add_cell_arguments(parser: argparse.ArgumentParser) -> None:
+    """The GPU's round times and the cell's requests, as `benchmarks/chooser_on_field.py` takes them too."""
     parser.add_argument("--times", type=float, nargs=4, default=[0.326, 0.49, 0.517, 0.566],
                         help="GPU round milliseconds of plain, γ = 1, 3 and 7 rounds (default: the H100's at c = 4)")
     parser.add_argument("--spread", type=float, default=0.02, help="log-normal noise on each round time")
@@ -136,6 +135,12 @@ def main() -> None:
     parser.add_argument("--requests-per-slot", type=int, default=16)
     parser.add_argument("--min-requests", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--concurrency", type=int, default=4)
+    add_cell_arguments(parser)
     parser.add_argument("--policies", nargs="+", default=list(POLICIES))
     parser.add_argument("--chooser", nargs="*", default=[], metavar="NAME=VALUE",
                         help="RoundWidthChooser attributes to set on the hardware-aware engine, e.g. decay=0.995")
