@@ -20,14 +20,17 @@ error over the seeds.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import random
 import statistics
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 from chooser_on_text import add_cell_arguments
+from chooser_replay import MeasuredMachine
 from common import environment
 from serving import request_count, request_lengths
 
@@ -71,44 +74,39 @@ class FieldRows:
 
 
 def serve(field: list[list[int]], lengths: list[int], rows: FieldRows, width: int | None,
-          chooser: RoundWidthChooser | None, times: dict[int, float], spread: float, rng: random.Random) -> dict:
+          chooser: RoundWidthChooser | None, round_seconds: Callable[[int, float], float]) -> dict:
     """One run of requests of `lengths` (request i on field row i mod the field's rows): tokens, GPU seconds and
-    rounds per width; a fixed `width`, or `chooser`'s choice each round."""
+    rounds per width; a fixed `width`, or `chooser`'s choice each round, which takes `round_seconds(width, seconds
+    of the run so far)`."""
     waiting = [(index % len(field), length) for index, length in enumerate(lengths)]
     seconds, widths, planned, unrecorded, drafted_last = 0.0, Counter(), None, None, False
-    states_current = True
     count = rows.concurrency
     while waiting or rows.occupied():
         rows.admit(waiting)
         occupied = rows.occupied()
-        states = None
+        states = watched = None
         if chooser is not None:
             verify = planned if planned is not None else chooser.choose(count)
-            tracked = len(occupied) <= chooser.state_rows
-            if tracked and not drafted_last:
-                states = [AFTER_PLAIN] * len(occupied)
-            elif tracked and states_current:
-                states = [rows.states[slot] for slot in occupied]
-            if states is not None:
+            watched = [slot for slot in occupied if slot < chooser.track_rows]
+            states = [rows.states[slot] if drafted_last else AFTER_PLAIN for slot in watched]
+            if len(occupied) <= chooser.state_rows and len(watched) == len(occupied):
                 verify = chooser.refine(verify, states, count)
         else:
             verify = width
-        took = times[verify] * math.exp(rng.gauss(0.0, spread))
+        took = round_seconds(verify, seconds)
         if chooser is not None:  # during the round: the one before recorded, the next one's width chosen
             if unrecorded is not None:
                 chooser.record(*unrecorded)
             planned = chooser.choose(count)
-            if len(occupied) <= chooser.state_rows:
-                chooser.prepare(count)
+            chooser.prepare(count, table=len(occupied) <= chooser.state_rows)
         accepted = rows.round(verify)
         seconds += took
         widths[verify] += 1
         drafted_last = verify > 0
         if chooser is not None:
             unrecorded = (verify, took, accepted, count, False, states)
-            states_current = len(occupied) <= chooser.state_rows and verify > 0
-            if states_current:
-                for slot, drafts in zip(occupied, accepted):
+            if verify:
+                for slot, drafts in zip(watched, accepted):
                     rows.states[slot] = drafts if drafts < verify else FULL + verify
             if not rows.occupied():
                 chooser.record(*unrecorded)
@@ -118,29 +116,43 @@ def serve(field: list[list[int]], lengths: list[int], rows: FieldRows, width: in
                 rounds=dict(sorted(widths.items())))
 
 
-def run_policy(field: list[list[int]], policy: str, concurrency: int, args, seed: int,
-               chooser_options: dict) -> list[dict]:
-    """A warm-up run of 8-token requests, then `args.repeats` timed runs of one policy's engine."""
+def noisy_times(times: dict[int, float], spread: float, rng: random.Random) -> Callable[[int, float], float]:
+    """Each round its width's time × log-normal noise of `spread`."""
+    return lambda width, _: times[width] * math.exp(rng.gauss(0.0, spread))
+
+
+def measured_times(machine: MeasuredMachine) -> Callable[[int, float], float]:
+    """Each round the time the GPU gave its width's fixed engine at that point of the same run (a run served here
+    running longer than the GPU's takes the times of its end)."""
+    return lambda width, elapsed: machine.seconds(width, min(elapsed / machine.duration, 1.0))
+
+
+def run_policy(field: list[list[int]], policy: str, concurrency: int, args, seed: int, chooser_options: dict,
+               machines: list[MeasuredMachine] | None = None) -> list[dict]:
+    """A warm-up run of 8-token requests, then `args.repeats` timed runs of one policy's engine; rounds timed by
+    `noisy_times`, or with `machines` (the warm-up run's, then each timed run's) by `measured_times`."""
     rng = random.Random(seed)
     rows = FieldRows(field, concurrency)
     chooser = RoundWidthChooser(WIDTHS, seed=seed, **chooser_options) if policy == "hardware_aware" else None
     width = None if chooser is not None else int(policy.removeprefix("fixed_"))
-    warm_up = argparse.Namespace(**{**vars(args), "max_new_tokens": 8})
     times = {width: ms / 1e3 for width, ms in zip(WIDTHS, args.times)}
-    serve(field, request_lengths(request_count(concurrency, warm_up), warm_up), rows, width, chooser, times,
-          args.spread, rng)
+    clocks = [measured_times(machine) for machine in machines] if machines else \
+        [noisy_times(times, args.spread, rng)] * (args.repeats + 1)
+    warm_up = argparse.Namespace(**{**vars(args), "max_new_tokens": 8})
+    serve(field, request_lengths(request_count(concurrency, warm_up), warm_up), rows, width, chooser, clocks[0])
     lengths = request_lengths(request_count(concurrency, args), args)
-    return [serve(field, lengths, rows, width, chooser, times, args.spread, rng) for _ in range(args.repeats)]
+    return [serve(field, lengths, rows, width, chooser, clock) for clock in clocks[1: args.repeats + 1]]
 
 
-def cell(field: list[list[int]], concurrency: int, args, chooser_options: dict) -> dict:
+def cell(field: list[list[int]], concurrency: int, args, chooser_options: dict,
+         machines: list[MeasuredMachine] | None = None) -> dict:
     """Every policy over `args.seeds` seeds at one concurrency: each one's tokens per second per seed (timed runs
     pooled), and hardware-aware over the best fixed width (mean, standard error)."""
     per_seed = {policy: [] for policy in args.policies}
     rounds = {policy: Counter() for policy in args.policies}
     for seed in range(args.seeds):
         for policy in args.policies:
-            runs = run_policy(field, policy, concurrency, args, seed, chooser_options)
+            runs = run_policy(field, policy, concurrency, args, seed, chooser_options, machines)
             per_seed[policy].append(sum(run["tokens"] for run in runs) / sum(run["gpu_seconds"] for run in runs))
             for run in runs:
                 rounds[policy].update(run["rounds"])
@@ -164,15 +176,27 @@ def main() -> None:
     parser.add_argument("--policies", nargs="+", default=["fixed_0", "fixed_1", "fixed_3", "fixed_7", "hardware_aware"])
     parser.add_argument("--chooser", nargs="*", default=[], metavar="NAME=VALUE",
                         help="RoundWidthChooser arguments for hardware-aware, e.g. state_rows=0")
+    parser.add_argument("--round-logs", type=Path,
+                        help="a `serving.py --static --round-logs` file: each round takes the time the GPU gave its "
+                             "width's fixed engine at that point of the same run (--times and --spread unused)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     field = json.loads(args.field.read_text())["accepted"]
     chooser_options = {name: float(value) if "." in value else int(value)
                        for name, value in (setting.split("=") for setting in args.chooser)}
     report = dict(field=str(args.field), cells={}, environment=environment(), command=vars(args) | {
-        "field": str(args.field), "out": str(args.out)})
+        "field": str(args.field), "out": str(args.out), "round_logs": str(args.round_logs)})
+    logs = json.loads(gzip.decompress(args.round_logs.read_bytes()))["runs"] if args.round_logs else None
     for concurrency in args.concurrency:
-        result = report["cells"][concurrency] = cell(field, concurrency, args, chooser_options)
+        machines = None
+        if logs is not None:
+            runs = logs[str(concurrency)]
+            machines = [MeasuredMachine({name: log[index] for name, log in runs.items()}, delivered=True)
+                        for index in range(len(runs["fixed_7"]))]
+            if len(machines) < args.repeats + 1:
+                raise SystemExit(f"{args.round_logs} holds {len(machines)} runs at c = {concurrency}: "
+                                 f"--repeats {args.repeats} needs {args.repeats + 1}")
+        result = report["cells"][concurrency] = cell(field, concurrency, args, chooser_options, machines)
         print(f"c = {concurrency}: " + json.dumps({key: value for key, value in result.items() if key != "per_seed"}),
               flush=True)
     if args.out:

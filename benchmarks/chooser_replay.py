@@ -54,13 +54,15 @@ def fitted_hazards(tokens_per_row: dict[int, float]) -> list[float]:
 
 
 class MeasuredMachine:
-    """Round times by width along one run, from the fixed engines' round logs of that run."""
+    """Round times by width along one run, from the fixed engines' round logs of that run: draft + verify, or with
+    `delivered` until the round's tokens were delivered (what the chooser has timed since bf4e130)."""
 
-    def __init__(self, runs: dict[str, list[list]]):
+    def __init__(self, runs: dict[str, list[list]], delivered: bool = False):
         self.series = {}
         for width, name in SOURCE.items():
             log = runs.get(name) or (runs["fixed_3"] if width == 1 else None)
-            ended, seconds = [entry[0] for entry in log], [entry[6] / 1e3 for entry in log]
+            ended = [entry[0] for entry in log]
+            seconds = [(entry[6] + (entry[8] if delivered else 0.0)) / 1e3 for entry in log]
             typical = statistics.median(seconds)  # (a stall of about a second hit one engine or another once a call:
             seconds = [typical if value > STALL * typical else value for value in seconds]  # not the width's doing)
             self.series[width] = (ended, seconds)

@@ -495,13 +495,12 @@ def test_chooser_on_field_serves_fixed_widths_exactly_and_runs_the_chooser_as_th
     assert rows.requests[0] == (1, 1) and rows.position[0] == 0
     times = {0: 1e-3, 1: 2e-3, 3: 3e-3, 7: 4e-3}
     lengths = [12, 20, 7, 16]
-    fixed = chooser_on_field.serve(field, lengths, chooser_on_field.FieldRows(field, 2), 3, None, times, 0.0,
-                                   random.Random(0))
+    clock = chooser_on_field.noisy_times(times, 0.0, random.Random(0))
+    fixed = chooser_on_field.serve(field, lengths, chooser_on_field.FieldRows(field, 2), 3, None, clock)
     assert fixed["tokens"] == sum(lengths)
     assert fixed["gpu_seconds"] == pytest.approx(3e-3 * fixed["rounds"][3]) and set(fixed["rounds"]) == {3}
     chooser = RoundWidthChooser((0, 1, 3, 7))
-    chosen = chooser_on_field.serve(field, lengths * 8, chooser_on_field.FieldRows(field, 2), None, chooser, times,
-                                    0.0, random.Random(0))
+    chosen = chooser_on_field.serve(field, lengths * 8, chooser_on_field.FieldRows(field, 2), None, chooser, clock)
     assert chosen["tokens"] == 8 * sum(lengths) and set(chosen["rounds"]) == {0, 1, 3, 7}
     assert chosen["gpu_seconds"] == pytest.approx(sum(times[w] * n for w, n in chosen["rounds"].items()))
     assert chooser.summary()[2][7]["round_ms"] == pytest.approx(4.0)
