@@ -9,7 +9,8 @@ depends only on where it starts and how many drafts it verifies). This serves `b
 requests on that field the way `DSparkEngine(static=True)` runs them there (`--concurrency` rows every round, joins at
 once into the lowest free row, a warm-up run of 8-token requests, then `--repeats` timed runs, one chooser across
 them), with each round taking its width's GPU time (`--times`, milliseconds of plain, γ = 1, 3 and 7 rounds) times
-log-normal noise. The chooser is called as the engine calls it: each round's width chosen while the round before runs
+log-normal noise, or with `--round-logs` (a `serving.py --static --round-logs` file of the same cell) the time the
+GPU gave that width's fixed engine at that point of the same run, its drift and noise included. The chooser is called as the engine calls it: each round's width chosen while the round before runs
 (before that round is recorded), `refine`d once the round before is done, `prepare`d during the round. So it replays
 what `chooser_on_text.py` measures (its fixed widths exactly, the chooser to within the drafter context a long plain
 run drops) about a thousand times faster, which makes seeds cheap: each policy's tokens per second is reported per
@@ -80,16 +81,20 @@ def serve(field: list[list[int]], lengths: list[int], rows: FieldRows, width: in
     of the run so far)`."""
     waiting = [(index % len(field), length) for index, length in enumerate(lengths)]
     seconds, widths, planned, unrecorded, drafted_last = 0.0, Counter(), None, None, False
+    states_current = True
     count = rows.concurrency
     while waiting or rows.occupied():
         rows.admit(waiting)
         occupied = rows.occupied()
-        states = watched = None
+        states = None
         if chooser is not None:
             verify = planned if planned is not None else chooser.choose(count)
-            watched = [slot for slot in occupied if slot < chooser.track_rows]
-            states = [rows.states[slot] if drafted_last else AFTER_PLAIN for slot in watched]
-            if len(occupied) <= chooser.state_rows and len(watched) == len(occupied):
+            tracked = len(occupied) <= chooser.state_rows
+            if tracked and not drafted_last:
+                states = [AFTER_PLAIN] * len(occupied)
+            elif tracked and states_current:
+                states = [rows.states[slot] for slot in occupied]
+            if states is not None:
                 verify = chooser.refine(verify, states, count)
         else:
             verify = width
@@ -98,15 +103,17 @@ def serve(field: list[list[int]], lengths: list[int], rows: FieldRows, width: in
             if unrecorded is not None:
                 chooser.record(*unrecorded)
             planned = chooser.choose(count)
-            chooser.prepare(count, table=len(occupied) <= chooser.state_rows)
+            if len(occupied) <= chooser.state_rows:
+                chooser.prepare(count)
         accepted = rows.round(verify)
         seconds += took
         widths[verify] += 1
         drafted_last = verify > 0
         if chooser is not None:
             unrecorded = (verify, took, accepted, count, False, states)
-            if verify:
-                for slot, drafts in zip(watched, accepted):
+            states_current = len(occupied) <= chooser.state_rows and verify > 0
+            if states_current:
+                for slot, drafts in zip(occupied, accepted):
                     rows.states[slot] = drafts if drafts < verify else FULL + verify
             if not rows.occupied():
                 chooser.record(*unrecorded)

@@ -139,32 +139,31 @@ def collector_pauses(rows: int, engines: int = 4, runs: int = 4, prompt_tokens: 
 
 def chooser_us_per_round(rows: int, rounds: int = 20000, repeats: int = 5) -> tuple[float, float]:
     """The best µs per round of a fresh `RoundWidthChooser` over `repeats` runs, called as the static engine calls it:
-    its work while the device runs a round (`record` with the states of the first `track_rows` rows, `choose` and
-    `prepare`), and between a round's end and the next one's launch (in rounds of at most `state_rows` rows:
-    `refine`)."""
+    its work while the device runs a round (`record`, `choose`, and in rounds of at most `state_rows` rows `prepare`),
+    and between a round's end and the next one's launch (in such rounds: the rows' state histogram and `refine`)."""
     rng = random.Random(0)
     accepted = [[min(7, int(rng.expovariate(0.5))) for _ in range(rows)] for _ in range(64)]
     best_during = best_between = float("inf")
     for _ in range(repeats):
         chooser = RoundWidthChooser((0, 1, 3, 7))
-        refined, watched = rows <= chooser.state_rows, min(rows, chooser.track_rows)
+        tracked = rows <= chooser.state_rows
         during = between = 0.0
-        states, planned = [AFTER_PLAIN] * watched, chooser.choose(rows)
+        states, planned = [AFTER_PLAIN] * rows, chooser.choose(rows)
         for index in range(rounds):
             started = time.perf_counter()
-            width = chooser.refine(planned, states, rows) if refined else planned
+            width = chooser.refine(planned, states, rows) if tracked else planned
             middle = time.perf_counter()
             row_accepted = accepted[index % 64] if width else []
-            chooser.record(width, 0.001 if width == 7 else 0.0011, row_accepted, rows, states=states)
+            chooser.record(width, 0.001 if width == 7 else 0.0011, row_accepted, rows,
+                           states=states if tracked and width else None)
             planned = chooser.choose(rows)
-            chooser.prepare(rows, table=refined)
+            if tracked:
+                chooser.prepare(rows)
             ended = time.perf_counter()
-            states = [acceptance_state(width, count) for count in row_accepted[:watched]] or [AFTER_PLAIN] * watched
+            states = [acceptance_state(width, count) for count in row_accepted] or [AFTER_PLAIN] * rows
             during, between = during + ended - middle, between + middle - started
         best_during, best_between = min(best_during, during / rounds), min(best_between, between / rounds)
     return 1e6 * best_during, 1e6 * best_between
-
-
 def context_us(context, calls: int = 20000, repeats: int = 5) -> float:
     """The best µs per `with context():` (enter + exit, empty body) over `repeats` runs of `calls`."""
     best = float("inf")

@@ -147,7 +147,8 @@
 #     serving_static_code50m_refine_h100.{json,png,json.gz,log}; the CPU twin's runs: chooser_on_text_c*_states_cpu.json.
 # Thirty-eighth session (one H100): the same command at c = 4 1 2 with library 646f835 (per-state counts folded every
 #     32 rounds; 566 s, c = 2 unfinished: serving_static_code50m_fold_h100.*), then at c = 1 2 with 2eb104b (refine
-#     never runs a plain round; 374 s on a fresh machine: serving_static_code50m_drafting_refine_h100.*).
+#     never runs a plain round; 374 s on a fresh machine: serving_static_code50m_drafting_refine_h100.*), then at
+#     c = 4 8 with 047114b (the stationary correction, reverted after; 444 s: serving_static_code50m_stationary_h100.*).
 # Next (one call each, carry_sched; move demo_models/, drafters/ and benchmarks/results/ aside first; a device call
 #     returns at most eight files, so write fewer or split):
 #     1. `PYTHONPATH=src python -m pytest -q -p no:hypothesispytest -n 0 tests/test_cuda_graphs.py` (the whole file,

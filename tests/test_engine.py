@@ -561,19 +561,19 @@ class RecordingWidths(RandomWidths):
         self.states.append(states)
 
 
-@pytest.mark.parametrize("track_rows", [4, 2])
-def test_static_engine_calls_its_chooser_while_the_device_runs_a_round(models, track_rows):
+@pytest.mark.parametrize("state_rows", [4, 2])
+def test_static_engine_calls_its_chooser_while_the_device_runs_a_round(models, state_rows):
     """The static engine's chooser works while the device runs a round: after launching round k it records round
     k - 1 (width, rows, accepted drafts), then chooses round k + 1's width for as many rows as round k runs. Round
     k + 1 uses that choice, or, when it runs another number of rows (here the batch drains from 4 rows to 2 to 1), one
-    made afresh before it. Every round is recorded exactly once, in order; the last one when its rows leave. Every
-    round is recorded with the acceptance states before it of the rows in the chooser's first `track_rows` slots (the
-    first of its rows, whose accepted drafts come first)."""
+    made afresh before it. Every round is recorded exactly once, in order; the last one when its rows leave. Rounds of
+    at most `state_rows` rows are recorded with each row's acceptance state before them (known after a round of at
+    most that many rows, or a plain one)."""
     target, drafter = models
     engine = DSparkEngine(target, drafter, max_batch_size=4, max_model_len=96, static=True, policy="hardware_aware",
                           default_sampling={"temperature": 0})
     chooser = engine.runner.chooser = RecordingWidths(engine.runner.chooser.widths, seed=1)
-    chooser.track_rows = track_rows
+    chooser.state_rows = state_rows
     for prompt, max_tokens in (([5, 6, 7], 24), ([8, 9], 8), ([10, 11, 12, 13], 40)):  # rows 1, 2, 0
         engine.add_request(prompt, max_tokens=max_tokens)
     engine.run()
@@ -596,19 +596,21 @@ def test_static_engine_calls_its_chooser_while_the_device_runs_a_round(models, t
         assert planned[0] == "choose" and planned[2] == rows
     assert next(calls) == records[-1] and next(calls, None) is None
     assert fresh == [4, 2, 1]
-    # each round's tracked rows' states: AFTER_PLAIN after a plain round, else what the row accepted in the last round
+    # each round's rows' states: AFTER_PLAIN after a plain round, else what the row accepted in the last round
     checked = 0
     for index, (_, width, _, accepted) in enumerate(records):
-        states, last = chooser.states[index], records[index - 1] if index else None
-        assert states is not None and len(states) <= min(track_rows, len(accepted))
-        if last is None or last[1] == 0:
-            assert states == [AFTER_PLAIN] * len(states)
-        elif len(accepted) == len(last[3]) and len(states) == len(chooser.states[index - 1]):  # (no change of rows)
-            assert states == [acceptance_state(last[1], count) for count in last[3][: len(states)]]
+        last = records[index - 1] if index else None
+        if len(accepted) > state_rows:
+            assert chooser.states[index] is None
+        elif last is None or last[1] == 0:
+            assert chooser.states[index] == [AFTER_PLAIN] * len(accepted)
+        elif len(last[3]) > state_rows:  # (the states after a round of more rows are not kept)
+            assert chooser.states[index] is None
+        elif len(accepted) == len(last[3]):  # (no request left in between)
+            assert chooser.states[index] == [acceptance_state(last[1], count) for count in last[3]]
             checked += 1
-    assert checked > 3 and any(state not in (AFTER_PLAIN, 0) for states in chooser.states for state in states)
-    assert any(len(states) < len(accepted) for states, (*_, accepted) in zip(chooser.states, records)) \
-        == (track_rows < 3)
+    assert checked > 3 and any(state not in (AFTER_PLAIN, 0) for states in chooser.states if states for state in states)
+    assert (None in chooser.states) == (state_rows < 3)
 
 
 def test_static_engine_times_each_round_with_its_delivery_for_its_chooser(models, monkeypatch):

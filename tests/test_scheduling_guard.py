@@ -483,39 +483,6 @@ def test_width_chooser_counts_rows_per_state_every_state_every_rounds():
     assert chooser._state_rates is not table and FULL + 2 in chooser._state_rates[2]
     with pytest.raises(ValueError):
         RoundWidthChooser((0, 2), state_every=0)
-    with pytest.raises(ValueError):
-        RoundWidthChooser((0, 2), state_rows=4, track_rows=2)
-
-
-def test_width_chooser_weights_states_by_their_stationary_share_in_a_run_of_one_width():
-    """`stationary_tokens(v)`: each state's expected tokens weighted by the stationary distribution of the states'
-    chain under width v, new requests entering (AFTER_PLAIN) at the rate the tracked rows joined. Width 1 here: from
-    state s a row accepts its draft with hazard h_s, to FULL + 1, else to 0; by hand, without joins,
-    pi(FULL + 1) = h_0 / (1 - h_F + h_0), with joins at rate r the three-state chain solved below. `correct` then
-    scales the average row's estimate by stationary / pooled, once every state of the chain has been met by
-    `stationary_rows` rows."""
-    chooser = RoundWidthChooser((0, 1), decay=1.0, state_prior=1e-9, stationary_rows=50)
-    for _ in range(40):  # after a rejection: 1 in 4 accepted; after an acceptance: 3 in 4; a new request: 1 in 2
-        chooser.record(1, 1.0, [0, 0, 0, 1, 1, 1, 1, 0, 1, 0], states=[0, 0, 0, 0, FULL + 1, FULL + 1, FULL + 1,
-                                                                      FULL + 1, AFTER_PLAIN, AFTER_PLAIN])
-    h0, hf, hp = (chooser.state_tokens(state)[1] - 1 for state in (0, FULL + 1, AFTER_PLAIN))
-    assert (h0, hf, hp) == pytest.approx((0.25, 0.75, 0.5))
-    r = 2 / 10  # (every round followed a drafting one: its AFTER_PLAIN rows joined)
-    # after each round a row's request is replaced with chance r: pi_P = r, pi_F = (1 - r) (pi_0 h0 + pi_F hF + pi_P hP)
-    pi_p = r
-    pi_f = (1 - r) * ((1 - r) * h0 + r * hp) / (1 - (1 - r) * (hf - h0))
-    pi_0 = 1 - pi_f - pi_p
-    assert chooser.stationary_tokens(1) == pytest.approx(1 + pi_0 * h0 + pi_f * hf + pi_p * hp)
-    assert chooser.expected_tokens(1) == pytest.approx(chooser.pooled_tokens(1))  # (not corrected yet)
-    chooser.correct()
-    assert chooser.expected_tokens(1) == pytest.approx(chooser.stationary_tokens(1))
-    chooser._joined = 0.0  # without joins: pi_F = h0 / (1 - hF + h0)
-    pi_f = h0 / (1 - hf + h0)
-    assert chooser.stationary_tokens(1) == pytest.approx(1 + (1 - pi_f) * h0 + pi_f * hf)
-    sparse = RoundWidthChooser((0, 1), decay=1.0)
-    sparse.record(1, 1.0, [1, 0], states=[0, FULL + 1])
-    sparse.correct()
-    assert sparse.expected_tokens(1) == pytest.approx(sparse.pooled_tokens(1))  # (states met by too few rows)
 
 
 def drive_regimes(chooser: RoundWidthChooser | None, width: int, rounds: int, seconds: dict, seed: int = 0) -> float:

@@ -109,9 +109,11 @@ class StaticRows:
         self._occupied: list[int] | None = None  # `occupied` and `rows`, until the next `add` / `remove`
         self._rows: list[Row] | None = None
         self.pending = [0] * max_batch_size  # per row: target features pending for the drafter's context (0: free)
-        # per row in the chooser's first `track_rows` rows, its `acceptance_state` after the last drafting round
-        # (AFTER_PLAIN for rows that joined since; after a plain round every row's is AFTER_PLAIN, whatever this holds)
+        # per row, its `acceptance_state` after the last round, if `_states_current` (kept for rounds of at most the
+        # chooser's `state_rows` rows; AFTER_PLAIN for rows that joined since; after a plain round every row's is
+        # AFTER_PLAIN, whatever this holds)
         self.acceptance_states = [AFTER_PLAIN] * max_batch_size
+        self._states_current = True
         self.sampler = sampler
         self.sampled = [False] * max_batch_size  # per row: does its request sample
         self.filtered = [False] * max_batch_size  # ... with top-k or top-p (else the rounds skip their sort)
@@ -374,19 +376,17 @@ class StaticRows:
         else:  # the first round, or the number of rows changed since the choice (the chooser counted that one as a
             verify = self.chooser.choose(count)  # round of the other number: a refresh due there may be skipped once)
             self.choice = self.chooser.reason, self.chooser.rates
-        # the acceptance states of the rows in the chooser's first `track_rows` slots (a prefix of `occupied`) after
-        # the last round, known only now: counted per state, and in a round of a few rows they may change its width
-        states = watched = None
-        if self.chooser is not None:
-            watched = occupied[: bisect.bisect_left(occupied, self.chooser.track_rows)]
-            if not self.drafted_last_round:  # (after a plain round every row's is AFTER_PLAIN)
-                states = [AFTER_PLAIN] * len(watched)
-            else:
-                states = [self.acceptance_states[index] for index in watched]
-            if len(occupied) <= self.chooser.state_rows and len(watched) == len(occupied):
-                refined = self.chooser.refine(verify, states, count)
-                if refined != verify:
-                    verify, self.choice = refined, (self.chooser.reason, self.chooser.rates)
+        # the rows' states after the last round, known only now, may change the width (rounds of a few rows)
+        tracked = self.chooser is not None and len(occupied) <= self.chooser.state_rows
+        states = None  # (each row's `acceptance_state` before this round, if tracked and known)
+        if tracked and not self.drafted_last_round:  # (after a plain round every row's is AFTER_PLAIN)
+            states = [AFTER_PLAIN] * len(occupied)
+        elif tracked and self._states_current:
+            states = [self.acceptance_states[index] for index in occupied]
+        if states is not None:
+            refined = self.chooser.refine(verify, states, count)
+            if refined != verify:
+                verify, self.choice = refined, (self.chooser.reason, self.chooser.rates)
         started = time.perf_counter()
         last_round = self._round_seconds()
         self._last_round_started = started
@@ -414,7 +414,8 @@ class StaticRows:
             if self.chooser is not None:  # while the device runs this round: the last round's time and acceptance,
                 self._record_last_round(last_round)  # then the next round's width (if it runs as many rows)
                 self._planned = (count, self.chooser.choose(count), (self.chooser.reason, self.chooser.rates))
-                self.chooser.prepare(count, table=len(occupied) <= self.chooser.state_rows)  # (for `refine`)
+                if len(occupied) <= self.chooser.state_rows:  # (for `refine` once this round is done)
+                    self.chooser.prepare(count)
             # the round's one synchronisation: accepted drafts and the up to verify + 1 tokens committed, per row
             record = rounds.record[:, : verify + 2].tolist()
         committed, accepted_drafts = [], []
@@ -436,9 +437,10 @@ class StaticRows:
         self.plain_rounds_in_a_row = 0 if verify else self.plain_rounds_in_a_row + 1
         if self.chooser is not None:  # recorded during the next round (whose width was chosen without it)
             self._unrecorded = (verify, accepted_drafts, count, captured, states)
-            if verify:  # (acceptance_state, inline; `accepted_drafts` in `occupied` order, `watched` its prefix)
+            self._states_current = tracked and verify > 0
+            if self._states_current:  # (acceptance_state, inline)
                 row_states, full = self.acceptance_states, FULL + verify
-                for index, accepted in zip(watched, accepted_drafts):
+                for index, accepted in zip(occupied, accepted_drafts):
                     row_states[index] = accepted if accepted < verify else full
         self._round_ended = time.perf_counter()
         return committed

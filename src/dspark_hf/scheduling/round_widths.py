@@ -84,8 +84,6 @@ AFTER_PLAIN = -1
 FULL = 16
 # the reasons of `RoundWidthChooser.choose` whose width `refine` may change (the others measure, confirm or refresh one)
 REFINED = ("settled", "keep", "switch")
-# folds of the per-state counts (`RoundWidthChooser.prepare`) between updates of the widths' stationary corrections
-STATIONARY_EVERY = 4
 
 
 def acceptance_state(width: int, accepted: int) -> int:
@@ -124,28 +122,21 @@ class RoundWidthChooser:
             rows' states only in such rounds.
         state_every: rounds between updates of the per-state counts and of `refine`'s table (`prepare`): the engine
             asks every round, and a state's estimate, like the average row's, remembers about a thousand rounds.
-        track_rows: the engine passes the acceptance states of the rows in its first `track_rows` slots, in rounds of
-            any number of rows (at least `state_rows`): enough to count acceptance per state, for the stationary
-            correction of each width's expected tokens (`expected_tokens`), at a bounded host cost.
-        stationary_rows: a width's stationary correction applies once every state of its chain has been met by at
-            least this many (decayed) rows: a state seldom met takes the average row's hazards (`state_prior`), which
-            in the chain is not neutral (it breaks a stretch's persistence and undervalues the width).
     """
 
     def __init__(self, widths: tuple[int, ...], warmup: int = 2, samples: int = 3, window: int = 25,
                  decay: float = 0.999, refresh_every: int = 32, max_refresh_every: int = 1024,
                  refresh_gap: float = 0.05, switch_margin: float = 0.02, decide_every: int = 8,
                  reference_rounds: int = 9, switch_confidence: float = 0.9, draws: int = 32, seed: int = 0,
-                 state_prior: float = 4.0, state_rows: int = 2, state_every: int = 32, track_rows: int = 8,
-                 stationary_rows: float = 50.0):
+                 state_prior: float = 4.0, state_rows: int = 2, state_every: int = 32):
         if not widths or min(widths) < 0 or samples < 1 or window < samples or not 0 < decay <= 1 \
                 or not 1 <= refresh_every <= max_refresh_every or refresh_gap <= 0 or switch_margin < 0 \
                 or decide_every < 1 or reference_rounds < 1 or not 0 < switch_confidence < 1 or draws < 1 \
-                or state_prior <= 0 or state_rows < 0 or state_every < 1 or track_rows < state_rows:
+                or state_prior <= 0 or state_rows < 0 or state_every < 1:
             raise ValueError("RoundWidthChooser needs widths >= 0, samples >= 1, window >= samples, 0 < decay <= 1, "
                              "1 <= refresh_every <= max_refresh_every, refresh_gap > 0, switch_margin >= 0, "
                              "decide_every >= 1, reference_rounds >= 1, 0 < switch_confidence < 1, draws >= 1, "
-                             "state_prior > 0, state_rows >= 0, state_every >= 1 and track_rows >= state_rows.")
+                             "state_prior > 0, state_rows >= 0 and state_every >= 1.")
         self.widths = tuple(sorted(set(widths)))
         self.warmup, self.samples, self.decay = warmup, samples, decay
         self.refresh_every, self.max_refresh_every, self.refresh_gap = refresh_every, max_refresh_every, refresh_gap
@@ -168,13 +159,6 @@ class RoundWidthChooser:
         self._state_rates: tuple | None = None  # `prepare`'s (rows, each width's seconds, each state's rates)
         self._records_since_prepared = 0
         self.state_prior, self.state_rows, self.state_every = state_prior, state_rows, state_every
-        self.track_rows, self.stationary_rows = track_rows, stationary_rows
-        self._records_since_folded = self._records_since_corrected = 0
-        # the tracked rows of rounds after a drafting round: those that joined since, and all (decayed counts)
-        self._joined = self._continued = 0.0
-        # per width: its stationary expected tokens per row (`stationary_tokens`) over the average row's, at the last
-        # `correct`; expected_tokens(width) is the average row's times this
-        self._stationary_factor = [1.0] * (longest + 1)
         self.switch_confidence, self.draws = switch_confidence, draws
         self._rng = random.Random(seed)
         # why the last `choose` returned its width, and the expected rates (tokens per second and row) it compared,
@@ -189,57 +173,10 @@ class RoundWidthChooser:
         return list(itertools.accumulate(hazards, operator.mul))
 
     def expected_tokens(self, width: int) -> float:
-        """Tokens a row is expected to commit per round in a run of rounds that verify `width` drafts: the average
-        row's (`pooled_tokens`) times the width's stationary correction as of the last `correct`
-        (`stationary_tokens` over `pooled_tokens` then)."""
+        """Tokens a row is expected to commit in a round that verifies `width` drafts."""
         if self._expected is None:
-            self._expected = [tokens * factor for tokens, factor in zip(
-                itertools.accumulate(self.survival(), initial=1.0), self._stationary_factor)]
+            self._expected = list(itertools.accumulate(self.survival(), initial=1.0))
         return self._expected[width]
-
-    def pooled_tokens(self, width: int) -> float:
-        """Tokens a row is expected to commit in a round that verifies `width` drafts, from every row's counts
-        alike (1 + S_1 + ... + S_width)."""
-        return 1.0 + sum(self.survival()[:width])
-
-    def stationary_tokens(self, width: int) -> float:
-        """Tokens a row commits per round in a long run of rounds that verify `width` drafts, if its acceptance
-        depends on its state (`state_tokens`): each state's expected tokens weighted by how often rows are in it in
-        such a run, the stationary distribution of the states' chain (from state s a row accepts k < width drafts,
-        state k, with probability S_k - S_k+1 of s's survival, or all of them, FULL + width, with S_width, unless a
-        new request takes its place, AFTER_PLAIN, at the rate the tracked rows joined after drafting rounds). The
-        average row's estimate weights the states as the rounds that ran met them, and a wider round strides through
-        easy text in fewer rounds: on the acceptance field of code50m's serving cells, with γ = 3 chosen, γ = 7's
-        tokens came out 1.10-1.12 × γ = 3's where fixed runs commit 1.054 × (docs/scheduling.md)."""
-        if width == 0:
-            return 1.0
-        states = [*range(width), FULL + width, AFTER_PLAIN]
-        joining = self._joined / self._continued if self._continued else 0.0  # (per row and round)
-        size = width + 2
-        # the stationary distribution pi: pi (P - I) = 0 with its entries adding up to 1, by Gaussian elimination;
-        # row j of `matrix`: sum_s pi_s (P[s][j] - [s == j]) = 0, P[s][j] the chance that a row in state s is in
-        # state j after the round: a new request in its place (AFTER_PLAIN) with chance `joining`, else by s's
-        # survival
-        matrix = [[0.0] * (size + 1) for _ in range(size)]
-        for source, state in enumerate(states):
-            tokens = self.state_tokens(state)
-            survival = [1.0, *(tokens[slot] - tokens[slot - 1] for slot in range(1, width + 1))]
-            for target in range(width):
-                matrix[target][source] += (1.0 - joining) * (survival[target] - survival[target + 1])
-            matrix[width][source] += (1.0 - joining) * survival[width]
-            matrix[width + 1][source] += joining
-            matrix[source][source] -= 1.0
-        matrix[width + 1] = [1.0] * (size + 1)  # (the last balance equation follows from the others)
-        for column in range(size):
-            pivot = max(range(column, size), key=lambda row: abs(matrix[row][column]))
-            matrix[column], matrix[pivot] = matrix[pivot], matrix[column]
-            lead = matrix[column][column]
-            for row in range(size):
-                if row != column and matrix[row][column]:
-                    ratio = matrix[row][column] / lead
-                    matrix[row] = [value - ratio * top for value, top in zip(matrix[row], matrix[column])]
-        shares = [matrix[row][size] / matrix[row][row] for row in range(size)]
-        return sum(share * self.state_tokens(state)[width] for share, state in zip(shares, states))
 
     def state_tokens(self, state: int) -> list[float]:
         """Tokens a row in acceptance `state` (`acceptance_state`) is expected to commit in a round that verifies
@@ -287,21 +224,16 @@ class RoundWidthChooser:
             self.reason, self.rates = "state", dict(zip(self.widths, rates))
         return self.widths[best]
 
-    def prepare(self, rows: int = 0, table: bool = True) -> None:
-        """Once every `state_every` rounds: counts the rows tallied per state since (`_fold_states`, which also
-        updates each width's stationary correction) and, with `table`, computes for `refine` in rounds of `rows` rows
-        every state's expected tokens per second at each width. The engine calls it while the device runs a round,
-        after `choose`, and most calls return at once. (No table while `choose` returns a width to measure, confirm
-        or refresh: not every width's time may be known then.)"""
-        if self._unfolded and self._records_since_folded >= self.state_every:
-            self._fold_states()
-        if not table or self.reason not in REFINED or (
-                self._state_rates is not None and self._state_rates[0] == rows
-                and self._records_since_prepared < self.state_every):
+    def prepare(self, rows: int = 0) -> None:
+        """Computes, for `refine` in rounds of `rows` rows, every state's expected tokens per second at each width,
+        once every `state_every` rounds: the engine calls it while the device runs a round, after `choose`, and most
+        calls return at once. (Nothing to do when `choose` returned a width to measure, confirm or refresh: not every
+        width's time may be known then.)"""
+        if self.reason not in REFINED or (self._state_rates is not None and self._state_rates[0] == rows
+                                          and self._records_since_prepared < self.state_every):
             return
         self._records_since_prepared = 0
-        if self._unfolded:
-            self._fold_states()
+        self._fold_states()
         seconds = [self._seconds(width, rows) for width in self.widths]
         self._state_rates = (rows, seconds, {state: self._state_rates_of(state, seconds)
                                              for state in (AFTER_PLAIN, *self._state_counts)})
@@ -317,13 +249,12 @@ class RoundWidthChooser:
     def confidence(self, challenger: int, incumbent: int, times: dict[int, float]) -> float:
         """The share of `draws` joint draws of the hazards from their Beta posteriors in which `challenger`'s rate
         beats `incumbent`'s by `switch_margin` (rounds taking `times`)."""
-        wins, factor = 0, self._stationary_factor
+        wins = 0
         for _ in range(self.draws):
             hazards = (self._rng.betavariate(accepted + 1, reached - accepted + 1)
                        for reached, accepted in zip(self._reached, self._accepted))
             tokens = list(itertools.accumulate(itertools.accumulate(hazards, operator.mul), initial=1.0))
-            lead = (tokens[challenger] * factor[challenger] / times[challenger]
-                    / (tokens[incumbent] * factor[incumbent] / times[incumbent]))
+            lead = tokens[challenger] / times[challenger] / (tokens[incumbent] / times[incumbent])
             wins += lead > 1 + self.switch_margin
         return wins / self.draws
 
@@ -411,8 +342,6 @@ class RoundWidthChooser:
         bucket.last_run[width] = bucket.rounds
         bucket.runs[width] += 1
         self._records_since_prepared += 1
-        self._records_since_folded += 1
-        self._records_since_corrected += 1
         if width != bucket.best:
             bucket.settled_until = 0  # (a refresh or a first measurement: decide again next round)
         if captured or bucket.runs[width] > self.warmup:
@@ -424,10 +353,6 @@ class RoundWidthChooser:
         self._expected = None
         self._state_expected.clear()  # (each state's prior is the average row's)
         if states is not None:  # (counted per state at the next `prepare` or `state_tokens`: most rounds read none)
-            joined = states.count(AFTER_PLAIN)
-            if joined < len(states):  # (after a drafting round: the rows in AFTER_PLAIN joined since)
-                self._joined = self._joined * self.decay + joined
-                self._continued = self._continued * self.decay + len(states)
             unfolded = self._unfolded
             for state, count in zip(states, accepted):
                 key = (state, width, count)
@@ -456,21 +381,6 @@ class RoundWidthChooser:
                 accepted_counts[slot] += rows
         self._unfolded.clear()
         self._state_expected.clear()
-        self._records_since_folded = 0
-        if self._records_since_corrected >= STATIONARY_EVERY * self.state_every:
-            self.correct()
-
-    def correct(self) -> None:
-        """Updates each width's stationary correction (`expected_tokens`), once every state of its chain has been
-        met by `stationary_rows` rows (else 1). Every `STATIONARY_EVERY` folds: it costs about 0.1 ms in Python,
-        and the counts it reads remember about a thousand rounds."""
-        self._records_since_corrected = 0
-        for width in self.widths:
-            known = all(state in self._state_counts and self._state_counts[state][0][0] >= self.stationary_rows
-                        for state in (*range(width), FULL + width))
-            self._stationary_factor[width] = self.stationary_tokens(width) / self.pooled_tokens(width) if known \
-                else 1.0
-        self._expected = None
 
     def _count(self, width: int, rows_with: dict[int, int], rows: int, reached: list[float],
                accepted_counts: list[float]) -> None:
