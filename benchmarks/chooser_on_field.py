@@ -10,12 +10,13 @@ requests on that field the way `DSparkEngine(static=True)` runs them there (`--c
 once into the lowest free row, a warm-up run of 8-token requests, then `--repeats` timed runs, one chooser across
 them), with each round taking its width's GPU time (`--times`, milliseconds of plain, γ = 1, 3 and 7 rounds) times
 log-normal noise, or with `--round-logs` (a `serving.py --static --round-logs` file of the same cell) the time the
-GPU gave that width's fixed engine at that point of the same run, its drift and noise included. The chooser is called as the engine calls it: each round's width chosen while the round before runs
-(before that round is recorded), `refine`d once the round before is done, `prepare`d during the round. So it replays
-what `chooser_on_text.py` measures (its fixed widths exactly, the chooser to within the drafter context a long plain
-run drops) about a thousand times faster, which makes seeds cheap: each policy's tokens per second is reported per
-seed (the noise's and the chooser's draws), and hardware-aware's ratio to the best fixed width as mean ± standard
-error over the seeds.
+GPU gave that width's fixed engine at that point of the same run, its drift and noise included (not the cost a round
+pays after a round of another width). The chooser is called as the engine calls it: each round's width chosen while
+the round before runs (before that round is recorded), `refine`d once the round before is done, `prepare`d during the
+round. So it replays what `chooser_on_text.py` measures (its fixed widths exactly, the chooser to within the drafter
+context a long plain run drops) about a thousand times faster, which makes seeds cheap: each policy's tokens per
+second is reported per seed (the noise's and the chooser's draws), and hardware-aware's ratio to the best fixed width
+as mean ± standard error over the seeds.
 """
 
 from __future__ import annotations
