@@ -3,20 +3,20 @@
     PYTHONPATH=src:benchmarks python benchmarks/chooser_on_field.py \
         benchmarks/results/acceptance_field_code50m_cpu.json --concurrency 1 --seeds 8 --out ...
 
-`benchmarks/acceptance_field.py` gives, for each of the serving cells' code50m requests, the drafts a round anchored
-at each of its positions accepts (greedy decoding commits the same tokens under every policy, so a round's acceptance
+`benchmarks/acceptance_field.py` gives, for each of the serving cells' code50m requests, the drafts a round anchored at
+each of its positions accepts (greedy decoding commits the same tokens under every policy, so a round's acceptance
 depends only on where it starts and how many drafts it verifies). This serves `benchmarks/chooser_on_text.py`'s
 requests on that field the way `DSparkEngine(static=True)` runs them there (`--concurrency` rows every round, joins at
 once into the lowest free row, a warm-up run of 8-token requests, then `--repeats` timed runs, one chooser across
 them), with each round taking its width's GPU time (`--times`, milliseconds of plain, γ = 1, 3 and 7 rounds) times
-log-normal noise, or with `--round-logs` (a `serving.py --static --round-logs` file of the same cell) the time the
-GPU gave that width's fixed engine at that point of the same run, its drift and noise included (not the cost a round
-pays after a round of another width). The chooser is called as the engine calls it: each round's width chosen while
-the round before runs (before that round is recorded), `refine`d once the round before is done, `prepare`d during the
-round. So it replays what `chooser_on_text.py` measures (its fixed widths exactly, the chooser to within the drafter
-context a long plain run drops) about a thousand times faster, which makes seeds cheap: each policy's tokens per
-second is reported per seed (the noise's and the chooser's draws), and hardware-aware's ratio to the best fixed width
-as mean ± standard error over the seeds.
+log-normal noise, or with `--round-logs` (a `serving.py --static --round-logs` file of the same cell) the time the GPU
+gave that width's fixed engine at that point of the same run, its drift and noise included; `--switch-cost` adds what a
+round pays after a round of another width. The chooser is called as the engine calls it: each round's width chosen
+while the round before runs (before that round is recorded), `refine`d once the round before is done, `prepare`d during
+the round. So it replays what `chooser_on_text.py` measures (its fixed widths exactly, the chooser to within the
+drafter context a long plain run drops) about a thousand times faster, which makes seeds cheap: each policy's tokens
+per second is reported per seed (the noise's and the chooser's draws), and hardware-aware's ratio to the best fixed
+width as mean ± standard error over the seeds.
 """
 
 from __future__ import annotations
@@ -76,12 +76,13 @@ class FieldRows:
 
 
 def serve(field: list[list[int]], lengths: list[int], rows: FieldRows, width: int | None,
-          chooser: RoundWidthChooser | None, round_seconds: Callable[[int, float], float]) -> dict:
+          chooser: RoundWidthChooser | None, round_seconds: Callable[[int, float], float],
+          switch_cost: float = 0.0) -> dict:
     """One run of requests of `lengths` (request i on field row i mod the field's rows): tokens, GPU seconds and
     rounds per width; a fixed `width`, or `chooser`'s choice each round, which takes `round_seconds(width, seconds
-    of the run so far)`."""
+    of the run so far)`, times 1 + `switch_cost` after a round of another width."""
     waiting = [(index % len(field), length) for index, length in enumerate(lengths)]
-    seconds, widths, planned, unrecorded, drafted_last = 0.0, Counter(), None, None, False
+    seconds, widths, planned, unrecorded, drafted_last, last_width = 0.0, Counter(), None, None, False, None
     states_current = True
     count = rows.concurrency
     while waiting or rows.occupied():
@@ -99,7 +100,8 @@ def serve(field: list[list[int]], lengths: list[int], rows: FieldRows, width: in
                 verify = chooser.refine(verify, states, count)
         else:
             verify = width
-        took = round_seconds(verify, seconds)
+        took = round_seconds(verify, seconds) * (1.0 + switch_cost if last_width not in (None, verify) else 1.0)
+        last_width = verify
         if chooser is not None:  # during the round: the one before recorded, the next one's width chosen
             if unrecorded is not None:
                 chooser.record(*unrecorded)
@@ -147,9 +149,11 @@ def run_policy(field: list[list[int]], policy: str, concurrency: int, args, seed
     clocks = [measured_times(machine) for machine in machines] if machines else \
         [noisy_times(times, args.spread, rng)] * (args.repeats + 1)
     warm_up = argparse.Namespace(**{**vars(args), "max_new_tokens": 8})
-    serve(field, request_lengths(request_count(concurrency, warm_up), warm_up), rows, width, chooser, clocks[0])
+    serve(field, request_lengths(request_count(concurrency, warm_up), warm_up), rows, width, chooser, clocks[0],
+          args.switch_cost)
     lengths = request_lengths(request_count(concurrency, args), args)
-    return [serve(field, lengths, rows, width, chooser, clock) for clock in clocks[1: args.repeats + 1]]
+    return [serve(field, lengths, rows, width, chooser, clock, args.switch_cost)
+            for clock in clocks[1: args.repeats + 1]]
 
 
 def cell(field: list[list[int]], concurrency: int, args, chooser_options: dict,
@@ -184,6 +188,9 @@ def main() -> None:
     parser.add_argument("--policies", nargs="+", default=["fixed_0", "fixed_1", "fixed_3", "fixed_7", "hardware_aware"])
     parser.add_argument("--chooser", nargs="*", default=[], metavar="NAME=VALUE",
                         help="RoundWidthChooser arguments for hardware-aware, e.g. state_rows=0")
+    parser.add_argument("--switch-cost", type=float, default=0.0,
+                        help="a round after a round of another width takes this fraction longer (on an H100 about "
+                             "0.01-0.02: docs/serving_measurements.md)")
     parser.add_argument("--round-logs", type=Path,
                         help="a `serving.py --static --round-logs` file: each round takes the time the GPU gave its "
                              "width's fixed engine at that point of the same run (--times and --spread unused)")

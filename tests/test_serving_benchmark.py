@@ -504,3 +504,7 @@ def test_chooser_on_field_serves_fixed_widths_exactly_and_runs_the_chooser_as_th
     assert chosen["tokens"] == 8 * sum(lengths) and set(chosen["rounds"]) == {0, 1, 3, 7}
     assert chosen["gpu_seconds"] == pytest.approx(sum(times[w] * n for w, n in chosen["rounds"].items()))
     assert chooser.summary()[2][7]["round_ms"] == pytest.approx(4.0)
+    switching = chooser_on_field.serve(field, lengths, chooser_on_field.FieldRows(field, 2), None,
+                                       RoundWidthChooser((0, 1, 3, 7)), clock, switch_cost=0.5)
+    changes = switching["gpu_seconds"] - sum(times[w] * n for w, n in switching["rounds"].items())
+    assert changes > 0 and changes / 1e-3 == pytest.approx(round(changes / 1e-3 * 2) / 2)  # (halves of 1-4 ms)
