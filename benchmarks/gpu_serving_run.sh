@@ -155,7 +155,9 @@
 #        more than 230 s): the narrow rounds' sampled graphs under CUDA graphs;
 #     2. the chooser's stickiness (its base choice still settles on γ = 7 at c = 1, 2 and in one run at 4; its
 #        per-round acceptance estimates lean to the width being run, measured on the acceptance field in
-#        docs/serving_measurements.md; try fixes with benchmarks/chooser_on_field.py first): a change, then the
+#        docs/serving_measurements.md, and its round times lean to the width in place: a round after another width's
+#        costs 1-2 % more; try fixes with benchmarks/chooser_on_field.py --round-logs ... --switch-cost 0.02 first,
+#        then on the GPU): a change, then the
 #        command at c = 4 1 (--requests-per-slot 64), 2 (16), then 16 64 and 32 8 (16):
 #        SERVING_TIMEOUT=400 OUT=$OUT bash benchmarks/gpu_serving_run.sh --model code50m --static
 #        --graph-sizes-per-cell 1 --max-new-tokens 64 --repeats 3 --no-paged --policies no_spec fixed_1 fixed_3
