@@ -32,7 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from chooser_on_text import add_cell_arguments
-from chooser_replay import MeasuredMachine
+from chooser_replay import MeasuredMachine, run_machines
 from common import environment
 from serving import request_count, request_lengths
 
@@ -205,9 +205,7 @@ def main() -> None:
     for concurrency in args.concurrency:
         machines = None
         if logs is not None:
-            runs = logs[str(concurrency)]
-            machines = [MeasuredMachine({name: log[index] for name, log in runs.items()}, delivered=True)
-                        for index in range(len(runs["fixed_7"]))]
+            machines = run_machines(logs[str(concurrency)], delivered=True)
             if len(machines) < args.repeats + 1:
                 raise SystemExit(f"{args.round_logs} holds {len(machines)} runs at c = {concurrency}: "
                                  f"--repeats {args.repeats} needs {args.repeats + 1}")

@@ -77,6 +77,12 @@ class MeasuredMachine:
         return seconds[index]
 
 
+def run_machines(runs: dict[str, list[list[list]]], delivered: bool = False) -> list[MeasuredMachine]:
+    """One `MeasuredMachine` per run of a concurrency's round logs (`runs`: policy -> list of runs), in order."""
+    return [MeasuredMachine({name: log[index] for name, log in runs.items()}, delivered)
+            for index in range(len(runs["fixed_7"]))]
+
+
 def replay(machines: list[MeasuredMachine], rounds: list[int], rows: int, hazards: list[float], width_policy,
            seed: int, record=None) -> tuple[float, dict[int, int]]:
     """Tokens per second of draft + verify time over `machines` (one per run; the first, the warm-up run, untimed)
@@ -114,8 +120,8 @@ def replay_concurrency(runs: dict[str, list[list[list]]], tokens_per_row: dict[i
     """Every policy replayed on the runs of one concurrency (`runs`: policy -> list of runs). `captured`: the
     engine captured every graph at warm-up (library 0b0769a on), so the chooser times each width's first rounds;
     `chooser_options` go to `RoundWidthChooser` (its draws seeded with `seed`)."""
-    count = len(runs["fixed_7"])
-    machines = [MeasuredMachine({name: log[index] for name, log in runs.items()}) for index in range(count)]
+    machines = run_machines(runs)
+    count = len(machines)
     rounds = [len(run) for run in runs["hardware_aware"]]
     hazards = fitted_hazards(tokens_per_row)
     fixed = {width: replay(machines, rounds, rows, hazards, lambda _, width=width: width, seed)[0]

@@ -12,8 +12,8 @@ over `--processes` fresh processes (a shared machine's speed varies from process
     PYTHONPATH=src python benchmarks/engine_host_cpu.py --chooser
 
 times the hardware-aware `RoundWidthChooser` alone instead: µs per round of `record` + `choose` (+ `prepare` in rounds
-of at most `state_rows` rows; the engine runs them while the device runs a round) and of the rows' state histogram +
-`refine` (in such rounds; between a round's end and the next one's launch), at 1, 4, 16 and 256 rows (widths 0, 1, 3,
+of at most `state_rows` rows; the engine runs them while the device runs a round) and of `refine` with the rows'
+states (in such rounds; between a round's end and the next one's launch), at 1, 4, 16 and 256 rows (widths 0, 1, 3,
 7; width 7 the fastest; accepted drafts ~ Exponential(0.5), capped), the best of 5 × 20000 rounds.
 
     PYTHONPATH=src python benchmarks/engine_host_cpu.py --contexts
@@ -140,7 +140,7 @@ def collector_pauses(rows: int, engines: int = 4, runs: int = 4, prompt_tokens: 
 def chooser_us_per_round(rows: int, rounds: int = 20000, repeats: int = 5) -> tuple[float, float]:
     """The best µs per round of a fresh `RoundWidthChooser` over `repeats` runs, called as the static engine calls it:
     its work while the device runs a round (`record`, `choose`, and in rounds of at most `state_rows` rows `prepare`),
-    and between a round's end and the next one's launch (in such rounds: the rows' state histogram and `refine`)."""
+    and between a round's end and the next one's launch (in such rounds: `refine` with the rows' states)."""
     rng = random.Random(0)
     accepted = [[min(7, int(rng.expovariate(0.5))) for _ in range(rows)] for _ in range(64)]
     best_during = best_between = float("inf")
