@@ -42,7 +42,12 @@ that is not chosen runs only now and then. So only the chosen width's time is ke
 `reference_rounds` rounds); every other width's rounds are kept as their log time minus the log of that median when
 they ran, i.e. relative to the choice as it ran around them. t(v) above is the chosen width's time times v's relative
 cost (the exponential of the median of its last `window` relative log times). When the choice changes, every kept
-value is re-expressed relative to the new choice.
+value is re-expressed relative to the new choice. A round right after a round of another width also costs more (on an
+H100 the chosen width's round after a refresh took 1-2.3 % longer than its steady rounds): every refresh pays that,
+the chosen width's steady rounds never do, so unless it is taken out the others lean against them. The chosen width's
+rounds right after another width's are kept apart (`after_switch`, not in its reference), and the median of the last
+`window` of them, relative to the reference (`switch_cost`), is taken off the time of every round of another width
+that followed a round of a different width.
 
 Times are kept per number of rows the rounds run (`rows`: the engine runs the smallest power-of-two prefix of its
 rows that holds every request), acceptance across them. Every width is measured first (`warmup` discarded rounds: a
@@ -158,6 +163,7 @@ class RoundWidthChooser:
         self._state_expected: dict[int, list[float]] = {}
         self._state_rates: tuple | None = None  # `prepare`'s (rows, each width's seconds, each state's rates)
         self._records_since_prepared = 0
+        self._last_width: int | None = None  # the last recorded round's width
         self.state_prior, self.state_rows, self.state_every = state_prior, state_rows, state_every
         self.switch_confidence, self.draws = switch_confidence, draws
         self._rng = random.Random(seed)
@@ -342,11 +348,15 @@ class RoundWidthChooser:
         bucket.last_run[width] = bucket.rounds
         bucket.runs[width] += 1
         self._records_since_prepared += 1
+        after_other, self._last_width = self._last_width not in (None, width), width
         if width != bucket.best:
             bucket.settled_until = 0  # (a refresh or a first measurement: decide again next round)
         if captured or bucket.runs[width] > self.warmup:
-            bucket.add(width, math.log(seconds),
-                       may_retime=width == bucket.best or self._could_lead(width, seconds, rows))
+            log_seconds = math.log(seconds)
+            if width != bucket.best and after_other:
+                log_seconds -= bucket.switch_cost()
+            bucket.add(width, log_seconds, after_other,
+                       may_retime=width == bucket.best or self._could_lead(width, math.exp(log_seconds), rows))
         if width == 0 or not accepted:
             return
         self._count(width, Counter(accepted), len(accepted), self._reached, self._accepted)
@@ -420,6 +430,8 @@ class _WidthTimes:
     def __init__(self, widths: tuple[int, ...], window: int, refresh_every: int, samples: int, reference_rounds: int):
         self.relative = {width: deque(maxlen=window) for width in widths}
         self.reference: deque[float] = deque(maxlen=reference_rounds)
+        self.after_switch: deque[float] = deque(maxlen=window)  # see `switch_cost`
+        self._switch_cost: float | None = None
         self.samples = samples
         self._offsets: dict[int, float | None] = dict.fromkeys(widths)
         self._level: float | None = None  # the reference's median (None: to compute from `reference`)
@@ -433,13 +445,18 @@ class _WidthTimes:
         self.confirming: int | None = None  # a width about to replace the choice, being timed afresh first
         self.settled_until = 0  # the round before which `best` stands without a new comparison
 
-    def add(self, width: int, log_seconds: float, may_retime: bool = True) -> None:
-        """A timed round of `width`. A refresh faster than every kept time of its width means they are stale (e.g.
-        measured while the machine was still warming up): with `may_retime` they are dropped and the width is timed
-        again."""
+    def add(self, width: int, log_seconds: float, after_other: bool = False, may_retime: bool = True) -> None:
+        """A timed round of `width`; `after_other`: it followed a round of another width (the chosen width's such
+        rounds measure `switch_cost`; another width's come with it subtracted). A refresh faster than every kept time
+        of its width means they are stale (e.g. measured while the machine was still warming up): with `may_retime`
+        they are dropped and the width is timed again."""
         if width == self.best:
-            self.reference.append(log_seconds)
-            self._level = None  # (taken when read: most rounds read none)
+            if after_other:
+                self.after_switch.append(log_seconds - self.level())
+                self._switch_cost = None
+            else:
+                self.reference.append(log_seconds)
+                self._level = None  # (taken when read: most rounds read none)
             return
         kept = self.relative[width]
         value = log_seconds - self.level()
@@ -450,6 +467,14 @@ class _WidthTimes:
         self.stale.add(width)
         if len(kept) >= self.samples:
             self.retiming.discard(width)
+
+    def switch_cost(self) -> float:
+        """How much longer, in log time, the choice's rounds take right after a round of another width: the median
+        of the last `window` such rounds relative to `level`, once there are `samples` (0 before)."""
+        if self._switch_cost is None:
+            kept = self.after_switch
+            self._switch_cost = statistics.median(kept) if len(kept) >= self.samples else 0.0
+        return self._switch_cost
 
     def level(self) -> float:
         """The choice's log round time: the median of `reference` (0 before the first choice)."""
