@@ -149,6 +149,9 @@
 #     32 rounds; 566 s, c = 2 unfinished: serving_static_code50m_fold_h100.*), then at c = 1 2 with 2eb104b (refine
 #     never runs a plain round; 374 s on a fresh machine: serving_static_code50m_drafting_refine_h100.*), then at
 #     c = 4 8 with 047114b (the stationary correction, reverted after; 444 s: serving_static_code50m_stationary_h100.*).
+# Thirty-ninth session (library 3732903, one H100: the chooser takes the switch cost, measured on the chosen width's
+#     rounds right after another width's, off the other widths' times): the code50m command below at c = 4 1
+#     (--requests-per-slot 64, 315 s on a fresh machine): serving_static_code50m_switch_cost_h100.{json,png,json.gz,log}.
 # Next (one call each, carry_sched; move demo_models/, drafters/ and benchmarks/results/ aside first; a device call
 #     returns at most eight files, so write fewer or split):
 #     1. `PYTHONPATH=src python -m pytest -q -p no:hypothesispytest -n 0 tests/test_cuda_graphs.py` (the whole file,
@@ -156,8 +159,8 @@
 #     2. the chooser's stickiness (its base choice still settles on γ = 7 at c = 1, 2 and in one run at 4; its
 #        per-round acceptance estimates lean to the width being run, measured on the acceptance field in
 #        docs/serving_measurements.md, and its round times lean to the width in place: a round after another width's
-#        costs 1-2 % more; try fixes with benchmarks/chooser_on_field.py --round-logs ... --switch-cost 0.02 first,
-#        then on the GPU): a change, then the
+#        costs 1-2 % more, taken out since 3732903; try fixes with benchmarks/chooser_on_field.py --round-logs ...
+#        first, then on the GPU): a change, then the
 #        command at c = 4 1 (--requests-per-slot 64), 2 (16), then 16 64 and 32 8 (16):
 #        SERVING_TIMEOUT=400 OUT=$OUT bash benchmarks/gpu_serving_run.sh --model code50m --static
 #        --graph-sizes-per-cell 1 --max-new-tokens 64 --repeats 3 --no-paged --policies no_spec fixed_1 fixed_3
