@@ -162,7 +162,6 @@ class RoundWidthChooser:
         self._unfolded: dict[tuple[int, int, int], int] = {}
         self._state_expected: dict[int, list[float]] = {}
         self._state_rates: tuple | None = None  # `prepare`'s (rows, each width's seconds, each state's rates)
-        self._refined: dict[tuple, tuple] = {}  # `refine`'s answers since the last `prepare`
         self._records_since_prepared = 0
         self._last_width: int | None = None  # the last recorded round's width
         self.state_prior, self.state_rows, self.state_every = state_prior, state_rows, state_every
@@ -220,20 +219,16 @@ class RoundWidthChooser:
         if self.reason not in REFINED or len(states) > self.state_rows:
             return width
         self.prepare(rows)  # (done already, in the engine)
+        _, seconds, table = self._state_rates
+        rates = None
+        for state in states:
+            row_rates = table.get(state) or self._state_rates_of(state, seconds)
+            rates = row_rates if rates is None else [total + rate for total, rate in zip(rates, row_rates)]
         first = 1 if width != 0 and self.widths[0] == 0 else 0  # (a drafting round stays one)
-        key = (first, *states)
-        refined = self._refined.get(key)  # (the same few states come back round after round)
-        if refined is None:
-            _, seconds, table = self._state_rates
-            rates = None
-            for state in states:
-                row_rates = table.get(state) or self._state_rates_of(state, seconds)
-                rates = row_rates if rates is None else [total + rate for total, rate in zip(rates, row_rates)]
-            best = max(range(first, len(self.widths)), key=rates.__getitem__)
-            refined = self._refined[key] = (self.widths[best], dict(zip(self.widths, rates)))
-        if refined[0] != width:
-            self.reason, self.rates = "state", refined[1]
-        return refined[0]
+        best = max(range(first, len(self.widths)), key=rates.__getitem__)
+        if self.widths[best] != width:
+            self.reason, self.rates = "state", dict(zip(self.widths, rates))
+        return self.widths[best]
 
     def prepare(self, rows: int = 0) -> None:
         """Computes, for `refine` in rounds of `rows` rows, every state's expected tokens per second at each width,
@@ -246,7 +241,6 @@ class RoundWidthChooser:
         self._records_since_prepared = 0
         self._fold_states()
         seconds = [self._seconds(width, rows) for width in self.widths]
-        self._refined.clear()
         self._state_rates = (rows, seconds, {state: self._state_rates_of(state, seconds)
                                              for state in (AFTER_PLAIN, *self._state_counts)})
 
