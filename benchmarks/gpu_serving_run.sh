@@ -151,7 +151,9 @@
 #     c = 4 8 with 047114b (the stationary correction, reverted after; 444 s: serving_static_code50m_stationary_h100.*).
 # Thirty-ninth session (library 3732903, one H100: the chooser takes the switch cost, measured on the chosen width's
 #     rounds right after another width's, off the other widths' times): the code50m command below at c = 4 1
-#     (--requests-per-slot 64, 315 s on a fresh machine): serving_static_code50m_switch_cost_h100.{json,png,json.gz,log}.
+#     (--requests-per-slot 64, 315 s on a fresh machine): serving_static_code50m_switch_cost_h100.{json,png,json.gz,log};
+#     then with 875b29c (refine's answers kept, reverted after) at c = 1 2 (64, 271 s, fresh), 256 128 (8, 354 s),
+#     16 64 (16, 277 s), merged into serving_static_code50m_refine_memo_h100.{json,png,json.gz,log}.
 # Next (one call each, carry_sched; move demo_models/, drafters/ and benchmarks/results/ aside first; a device call
 #     returns at most eight files, so write fewer or split):
 #     1. `PYTHONPATH=src python -m pytest -q -p no:hypothesispytest -n 0 tests/test_cuda_graphs.py` (the whole file,
