@@ -153,11 +153,13 @@
 #     rounds right after another width's, off the other widths' times): the code50m command below at c = 4 1
 #     (--requests-per-slot 64, 315 s on a fresh machine): serving_static_code50m_switch_cost_h100.{json,png,json.gz,log};
 #     then with 875b29c (refine's answers kept, reverted after) at c = 1 2 (64, 271 s, fresh), 256 128 (8, 354 s),
-#     16 64 (16, 277 s), merged into serving_static_code50m_refine_memo_h100.{json,png,json.gz,log}.
+#     16 64 (16, 277 s), merged into serving_static_code50m_refine_memo_h100.{json,png,json.gz,log}; then the
+#     engine's sampled CUDA-graph test first among five of tests/test_cuda_graphs.py (270 s: it passed, the second was
+#     cut): cuda_graphs_sampled_narrow_rounds_h100.log.
 # Next (one call each, carry_sched; move demo_models/, drafters/ and benchmarks/results/ aside first; a device call
 #     returns at most eight files, so write fewer or split):
 #     1. `PYTHONPATH=src python -m pytest -q -p no:hypothesispytest -n 0 tests/test_cuda_graphs.py` (the whole file,
-#        more than 230 s): the narrow rounds' sampled graphs under CUDA graphs;
+#        more than 270 s on a fresh machine; its sampled engine test passed with the narrow rounds on 12-06);
 #     2. the chooser's stickiness (its base choice still settles on γ = 7 at c = 1, 2 and in one run at 4; its
 #        per-round acceptance estimates lean to the width being run, measured on the acceptance field in
 #        docs/serving_measurements.md, and its round times lean to the width in place: a round after another width's
