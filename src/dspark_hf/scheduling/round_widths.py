@@ -52,7 +52,10 @@ that followed a round of a different width.
 Times are kept per number of rows the rounds run (`rows`: the engine runs the smallest power-of-two prefix of its
 rows that holds every request), acceptance across them. Every width is measured first (`warmup` discarded rounds: a
 compiled round's first calls compile and capture, then `samples`; a round whose graph was captured beforehand, e.g.
-by `DSparkEngine.warm_up()`, is timed from the first); a number of rows not yet measured at some width
+by `DSparkEngine.warm_up()`, is timed from the first), the widths in turn (one round each, then again), so that
+every width is timed under the same conditions (on an H100 at c = 64 and 128, one width after another, plain's first
+rounds ran faster and γ = 3's slower than later in the run, and plain was chosen where γ = 3 served more); a number
+of rows not yet measured at some width
 borrows that width's cost from the nearest one that is (the larger of two equally near), so that a batch draining to
 fewer rows does not explore again. After that, each other width is run again once its wait has passed since it last
 ran there, so that neither its time nor the acceptance of drafts it would verify goes stale. The wait is
@@ -303,7 +306,11 @@ class RoundWidthChooser:
         unmeasured = [width for width, seconds in times.items() if seconds is None]
         if unmeasured or bucket.retiming:
             self.reason = "measure"
-            return min(unmeasured or bucket.retiming)
+            if not unmeasured:
+                return min(bucket.retiming)
+            width = min(unmeasured, key=lambda width: (bucket.measure_turns[width], width))  # (in turn)
+            bucket.measure_turns[width] += 1
+            return width
         self.rates = rates = self._rates(times)
         best = max(self.widths, key=rates.__getitem__)
         if bucket.best is not None and best != bucket.best and (
@@ -437,6 +444,7 @@ class _WidthTimes:
         self._level: float | None = None  # the reference's median (None: to compute from `reference`)
         self.stale: set[int] = set()  # widths timed since their offset was last taken
         self.runs = dict.fromkeys(widths, 0)
+        self.measure_turns = dict.fromkeys(widths, 0)  # rounds `choose` gave each width to measure it
         self.last_run = dict.fromkeys(widths, 0)
         self.interval = dict.fromkeys(widths, refresh_every)
         self.best: int | None = None
