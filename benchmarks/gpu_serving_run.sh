@@ -160,7 +160,10 @@
 #     returns at most eight files, so write fewer or split):
 #     1. `PYTHONPATH=src python -m pytest -q -p no:hypothesispytest -n 0 tests/test_cuda_graphs.py` (the whole file,
 #        more than 270 s on a fresh machine; its sampled engine test passed with the narrow rounds on 12-06);
-#     2. the chooser's stickiness (its base choice still settles on γ = 7 at c = 1, 2 and in one run at 4; its
+#     2. first, the widths timed in turn before the first choice (e974217, not yet on the GPU): the command below at
+#        c = 64 128 (--requests-per-slot 16), where 12-06 ran plain rounds (0.914 and 0.960 x fixed γ = 3), then
+#        c = 4 1 (64);
+#        the chooser's stickiness (its base choice still settles on γ = 7 at c = 1, 2 and in one run at 4; its
 #        per-round acceptance estimates lean to the width being run, measured on the acceptance field in
 #        docs/serving_measurements.md, and its round times lean to the width in place: a round after another width's
 #        costs 1-2 % more, taken out since 3732903; try fixes with benchmarks/chooser_on_field.py --round-logs ...
