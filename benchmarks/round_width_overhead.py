@@ -56,9 +56,9 @@ def build(name: str, target, drafter, concurrency: int, max_model_len: int) -> D
     engine.warm_up(widths=(0, 1, 3, 7) if name == "fixed_7_all_widths" else None, progress=False)
     chooser = engine.runner.chooser
     if name.startswith("hardware_aware_pinned_7"):
-        chooser.choose = lambda rows: 7
+        chooser.choose = lambda rows, requests=None: 7
     if name == "hardware_aware_pinned_7_no_record":
-        chooser.record = lambda *args: None
+        chooser.record = lambda *args, **kwargs: None
     if name == "hardware_aware":
         for method in ("choose", "record"):
             setattr(chooser, method, timed(getattr(chooser, method), CHOOSER_SECONDS[method]))
@@ -69,9 +69,9 @@ CHOOSER_SECONDS: dict[str, list[float]] = {"choose": [], "record": []}
 
 
 def timed(function, seconds: list[float]):
-    def call(*args):
+    def call(*args, **kwargs):
         started = time.perf_counter()
-        result = function(*args)
+        result = function(*args, **kwargs)
         seconds.append(time.perf_counter() - started)
         return result
     return call

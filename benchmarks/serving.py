@@ -627,8 +627,10 @@ def run_static_cells(target, drafter, prompts, concurrency: int, names: list[str
         cell = cell_result(engine, handles, seconds, concurrency) | pauses
         cell["warm_up_seconds"] = warm_up_seconds[engine_of[name]]
         if engine.runner.chooser is not None:
-            cell["chooser"] = {str(rows): {str(width): times for width, times in widths.items()}
-                               for rows, widths in engine.runner.chooser.summary().items()}
+            # per group of rounds: "rows" where more than half the rows held a request, else "rows/requests"
+            cell["chooser"] = {str(rows) if requests == rows else f"{rows}/{requests}":
+                               {str(width): times for width, times in widths.items()}
+                               for (rows, requests), widths in engine.runner.chooser.summary().items()}
         return cell
 
     runs: dict[str, list[dict]] = {name: [] for name in names}

@@ -486,7 +486,7 @@ class RandomWidths(RoundWidthChooser):
         super().__init__(widths)
         self.rng, self.plain_share = random.Random(seed), plain_share
 
-    def choose(self, rows: int = 0) -> int:
+    def choose(self, rows: int = 0, requests: int | None = None) -> int:
         return 0 if self.rng.random() < self.plain_share else self.rng.choice(self.widths[1:])
 
 
@@ -548,14 +548,14 @@ class RecordingWidths(RandomWidths):
         super().__init__(widths, seed)
         self.calls, self.captured, self.seconds, self.states = [], [], [], []
 
-    def choose(self, rows: int = 0) -> int:
+    def choose(self, rows: int = 0, requests: int | None = None) -> int:
         width = super().choose(rows)
-        self.calls.append(("choose", width, rows))
+        self.calls.append(("choose", width, self.group(rows, requests)))
         return width
 
     def record(self, width: int, seconds: float, accepted: list[int], rows: int = 0, captured: bool = False,
-               states: list[int] | None = None) -> None:
-        self.calls.append(("record", width, rows, list(accepted)))
+               states: list[int] | None = None, requests: int | None = None) -> None:
+        self.calls.append(("record", width, self.group(rows, requests), list(accepted)))
         self.captured.append(captured)
         self.seconds.append(seconds)
         self.states.append(states)
@@ -564,11 +564,11 @@ class RecordingWidths(RandomWidths):
 @pytest.mark.parametrize("state_rows", [4, 2])
 def test_static_engine_calls_its_chooser_while_the_device_runs_a_round(models, state_rows):
     """The static engine's chooser works while the device runs a round: after launching round k it records round
-    k - 1 (width, rows, accepted drafts), then chooses round k + 1's width for as many rows as round k runs. Round
-    k + 1 uses that choice, or, when it runs another number of rows (here the batch drains from 4 rows to 2 to 1), one
-    made afresh before it. Every round is recorded exactly once, in order; the last one when its rows leave. Rounds of
-    at most `state_rows` rows are recorded with each row's acceptance state before them (known after a round of at
-    most that many rows, or a plain one)."""
+    k - 1 (width, rows, accepted drafts), then chooses round k + 1's width for round k's group (`group`: rows, and
+    requests up to a power of two). Round k + 1 uses that choice, or, when it falls in another group (here the batch
+    drains from 4 rows to 2 to 1), one made afresh before it. Every round is recorded exactly once, in order; the last
+    one during the next round, once requests come again. Rounds of at most `state_rows` rows are recorded with each
+    row's acceptance state before them (known after a round of at most that many rows, or a plain one)."""
     target, drafter = models
     engine = DSparkEngine(target, drafter, max_batch_size=4, max_model_len=96, static=True, policy="hardware_aware",
                           default_sampling={"temperature": 0})
@@ -577,9 +577,11 @@ def test_static_engine_calls_its_chooser_while_the_device_runs_a_round(models, s
     for prompt, max_tokens in (([5, 6, 7], 24), ([8, 9], 8), ([10, 11, 12, 13], 40)):  # rows 1, 2, 0
         engine.add_request(prompt, max_tokens=max_tokens)
     engine.run()
+    engine.add_request([5, 6], max_tokens=4)
+    engine.step()
     calls = iter(chooser.calls)
     records = [call for call in chooser.calls if call[0] == "record"]
-    assert len(records) == len(engine.round_log) > 5
+    assert len(records) == len(engine.round_log) - 1 > 5
     planned, fresh = None, []
     for index, (entry, (_, width, rows, accepted)) in enumerate(zip(engine.round_log, records)):
         if planned is None or planned[2] != rows:
@@ -594,8 +596,10 @@ def test_static_engine_calls_its_chooser_while_the_device_runs_a_round(models, s
             assert next(calls) == records[index - 1]
         planned = next(calls)
         assert planned[0] == "choose" and planned[2] == rows
-    assert next(calls) == records[-1] and next(calls, None) is None
-    assert fresh == [4, 2, 1]
+    afresh = next(calls)  # (the last round left no rows: the next request's round chooses afresh)
+    assert afresh[0] == "choose" and afresh[1] == engine.round_log[-1]["verify"][0]
+    assert next(calls) == records[-1] and next(calls)[0] == "choose" and next(calls, None) is None
+    assert fresh == [(4, 4), (2, 2), (1, 1)]
     # each round's rows' states: AFTER_PLAIN after a plain round, else what the row accepted in the last round
     checked = 0
     for index, (_, width, _, accepted) in enumerate(records):
@@ -614,20 +618,25 @@ def test_static_engine_calls_its_chooser_while_the_device_runs_a_round(models, s
 
 
 def test_static_engine_times_each_round_with_its_delivery_for_its_chooser(models, monkeypatch):
-    """The chooser gets a round's whole time: from its start until its tokens are delivered, the host's work on them
-    included (here each request's `on_token` takes 20 ms), and neither the admissions before the next round (here
-    one that takes 300 ms) nor whatever runs between the engine's steps (here 200 ms)."""
+    """The chooser gets a round's whole time: the engine's step, the host's work before the round (here its join
+    gate takes 10 ms) and on its tokens (here each request's `on_token` takes 20 ms, and the gate's record another
+    10 ms) included, and neither the admissions (here one that takes 300 ms) nor whatever runs between the engine's
+    steps (here 200 ms)."""
     target, drafter = models
     engine = DSparkEngine(target, drafter, max_batch_size=2, max_model_len=96, static=True, policy="hardware_aware",
                           default_sampling={"temperature": 0})
     chooser = engine.runner.chooser = RecordingWidths(engine.runner.chooser.widths, seed=2)
     admit = engine.runner.admission.admit
 
-    def slow_admit(*args, **kwargs):
-        time.sleep(0.3)
-        return admit(*args, **kwargs)
+    def slow(call, seconds):
+        def wrapped(*args, **kwargs):
+            time.sleep(seconds)
+            return call(*args, **kwargs)
+        return wrapped
 
-    monkeypatch.setattr(engine.runner.admission, "admit", slow_admit)
+    monkeypatch.setattr(engine.runner.admission, "admit", slow(admit, 0.3))
+    monkeypatch.setattr(engine.join_gate, "rows_to_join", slow(engine.join_gate.rows_to_join, 0.01))
+    monkeypatch.setattr(engine.join_gate, "record", slow(engine.join_gate.record, 0.01))
     streaming = dict(ignore_eos=True, on_token=lambda request_id, tokens: time.sleep(0.02))
     engine.add_request([5, 6, 7], max_tokens=24, **streaming)
     rounds = 0
@@ -637,10 +646,13 @@ def test_static_engine_times_each_round_with_its_delivery_for_its_chooser(models
         engine.step()
         rounds += 1
         time.sleep(0.2)
-    assert len(chooser.seconds) == len(engine.round_log) == rounds > 5
+    engine.add_request([5, 6], max_tokens=4)  # (the last round is recorded during the next one)
+    engine.step()
+    assert len(chooser.seconds) == rounds == len(engine.round_log) - 1 > 5
     for seconds, entry in zip(chooser.seconds, engine.round_log):  # (the log's step also holds a choice: µs)
         delivery = 0.02 * entry["batch"]
-        assert entry["step_seconds"] + delivery - 0.005 <= seconds < entry["step_seconds"] + delivery + 0.1
+        host = entry["step_seconds"] + delivery + 0.02
+        assert host - 0.005 <= seconds < host + 0.1
         assert delivery <= entry["delivered"] - entry["ended"] < delivery + 0.1  # (the round log's delivery too)
 
 
@@ -662,7 +674,7 @@ def test_static_engine_tells_its_chooser_which_rounds_replay_graphs_warm_up_ran(
                                             [("greedy", 0), ("greedy", widths[1]), ("flush", 0), ("forget", 0)]}
         engine.add_request([5, 6, 7], max_tokens=40, temperature=0.0, ignore_eos=True)
         engine.run()
-        greedy = len(chooser.captured)
+        greedy = len(chooser.captured) + 1  # (the last greedy round is recorded during the first sampled one)
         engine.add_request([5, 6, 7], max_tokens=12, temperature=0.8, ignore_eos=True)
         engine.run()
         captured[warm] = chooser.captured[:greedy], chooser.captured[greedy:]

@@ -134,14 +134,14 @@ def test_rounds_without_tokens_are_ignored_and_arguments_checked():
 
 
 def drive_widths(chooser: RoundWidthChooser, rounds: int, seconds: dict, hazards: list[float], rows: int = 16,
-                 seed: int = 0, bucket: int = 0, captured: bool = False) -> list[int]:
-    """`rounds` rounds of `bucket` rows: width v takes `seconds[v]` (ten times longer the first two times:
-    compilation, unless `captured`: every graph captured beforehand), and each of `rows` requests accepts draft j
-    (given drafts < j) with probability `hazards[j - 1]`."""
+                 seed: int = 0, bucket: int = 0, captured: bool = False, requests: int | None = None) -> list[int]:
+    """`rounds` rounds of `bucket` rows, `requests` of them holding a request (None: all): width v takes `seconds[v]`
+    (ten times longer the first two times: compilation, unless `captured`: every graph captured beforehand), and each
+    of `rows` requests accepts draft j (given drafts < j) with probability `hazards[j - 1]`."""
     rng = random.Random(seed)
     runs, chosen = dict.fromkeys(seconds, 0), []
     for _ in range(rounds):
-        width = chooser.choose(bucket)
+        width = chooser.choose(bucket, requests)
         runs[width] += 1
         accepted = []
         for _ in range(rows):
@@ -150,7 +150,8 @@ def drive_widths(chooser: RoundWidthChooser, rounds: int, seconds: dict, hazards
                 count += 1
             accepted.append(count)
         slow = runs[width] <= 2 and not captured
-        chooser.record(width, seconds[width] * (10 if slow else 1), accepted, bucket, captured=captured)
+        chooser.record(width, seconds[width] * (10 if slow else 1), accepted, bucket, captured=captured,
+                       requests=requests)
         chosen.append(width)
     return chosen
 
@@ -245,7 +246,7 @@ def test_width_chooser_times_a_width_again_when_a_refresh_shows_its_times_are_st
     assert chosen[15:30].count(3) >= 14  # settled on 3 from 7's stale times
     assert chosen[-100:].count(7) >= 95  # ... and moved to 7 after its first refresh (7 is 18 % behind on its
     # stale times: its first refresh waits 32 x (1 + 0.18 / 0.05) rounds)
-    assert chooser.summary()[0][7]["round_ms"] == pytest.approx(1400)
+    assert chooser.summary()[0, 0][7]["round_ms"] == pytest.approx(1400)
 
 
 def test_width_chooser_keeps_a_faster_refresh_of_a_trailing_width_as_one_more_time():
@@ -259,7 +260,7 @@ def test_width_chooser_keeps_a_faster_refresh_of_a_trailing_width_as_one_more_ti
     later = [index for index, width in enumerate(chosen) if width == 7 and index > 30]
     assert chosen[15:].count(3) > 0.95 * len(chosen[15:])
     assert later and all(width != 7 for index in later for width in chosen[index + 1:index + 3])  # refreshes alone
-    assert chooser.summary()[0][7]["round_ms"] == pytest.approx(2000)  # (the median of 2, 2, 2, 1.6, ...)
+    assert chooser.summary()[0, 0][7]["round_ms"] == pytest.approx(2000)  # (the median of 2, 2, 2, 1.6, ...)
 
 
 def test_width_chooser_does_not_change_its_choice_on_noise_between_equal_widths():
@@ -331,7 +332,7 @@ def test_width_chooser_takes_the_cost_of_a_switch_out_of_the_other_widths_times(
     assert first[-50:].count(7) >= 48
     later = drive_with_switch_cost(chooser, 500, seconds, 0.6, 0.08, last=first[-1])
     assert later[-300:].count(3) >= 280
-    assert {width: row["round_ms"] for width, row in chooser.summary()[16].items()} == pytest.approx(
+    assert {width: row["round_ms"] for width, row in chooser.summary()[16, 16].items()} == pytest.approx(
         {width: 1e3 * time for width, time in seconds.items()})
     expected = {v: (1 + sum(0.6 ** j for j in range(1, v + 1))) / seconds[v] for v in seconds}
     assert 1.05 < expected[3] / expected[7] < 1.07  # the case is what it claims
@@ -344,7 +345,7 @@ def test_width_chooser_times_a_width_afresh_before_it_replaces_the_choice():
     chooser = RoundWidthChooser(tuple(seconds), refresh_every=1000, max_refresh_every=1000)
     chosen = drive_widths(chooser, 60, seconds, [1.0, 1.0, 1.0, 0.75, 0.75, 0.75, 0.75])
     assert chosen[-30:] == [7] * 30
-    bucket = chooser._buckets[0]
+    bucket = chooser._buckets[0, 0]
     bucket.relative[3] = type(bucket.relative[3])([value - 0.36 for value in bucket.relative[3]], maxlen=25)
     bucket.stale.add(3)
     bucket.settled_until = 0
@@ -448,10 +449,37 @@ def test_width_chooser_times_each_number_of_rows_apart():
         many = drive_widths(chooser, 100, large, [0.6] * 7, bucket=64)
     assert few[-50:].count(7) >= 48 and many[-50:].count(0) >= 48
     summary = chooser.summary()
-    assert set(summary) == {4, 64} and summary[64][7]["round_ms"] == pytest.approx(4500)
+    assert set(summary) == {(4, 4), (64, 64)} and summary[64, 64][7]["round_ms"] == pytest.approx(4500)
     # a new number of rows borrows the nearest measured one's times (8: from 4) instead of exploring every width
     assert chooser.choose(8) == 7 and chooser.throughput(0, 8) == chooser.throughput(0, 4)
     assert chooser.throughput(0, 32) == chooser.throughput(0, 64)  # (32 is nearer to 64)
+
+
+def test_width_chooser_times_rounds_of_fewer_requests_apart():
+    """The host's work on a round's tokens grows with its requests: in the 64-row graph, rounds of 8 requests take
+    plain 0.5 s and width 3 1.2 s, against 1.0 and 1.5 with 64 (the end of a GPU run at c = 64 looked like that).
+    Timed together, a draining batch's plain rounds make plain look best for the full graph too (as on an H100 at
+    c = 64, where fixed γ = 3 served 1.09 x no speculation): told the requests, the chooser keeps each number of them
+    (up to a power of two) apart, so the full graph's choice and times stay as they were, and a draining batch
+    borrows them until its own are measured (no exploring)."""
+    full, few = {0: 1.0, 3: 1.5}, {0: 0.5, 3: 1.2}
+    for told in (True, False):
+        chooser = RoundWidthChooser((0, 3))
+        requests = (64, 8) if told else (None, None)
+        first = drive_widths(chooser, 30, full, [0.6] * 3, rows=64, bucket=64, requests=requests[0])
+        assert first[-20:] == [3] * 20
+        draining = drive_widths(chooser, 40, few, [0.6] * 3, rows=8, bucket=64, requests=requests[1], captured=True)
+        again = drive_widths(chooser, 60, full, [0.6] * 3, rows=64, bucket=64, requests=requests[0], captured=True)
+        if told:  # (one refresh of plain in each)
+            assert draining.count(3) == 39 and again.count(3) == 59
+            summary = chooser.summary()
+            assert set(summary) == {(64, 64), (64, 8)} and summary[64, 8][3]["round_ms"] == pytest.approx(1200)
+            assert {width: row["round_ms"] for width, row in summary[64, 64].items()} == pytest.approx(
+                {0: 1000, 3: 1500})
+        else:  # (the case is what it claims: a plain refresh of the draining batch retimes plain, which then wins)
+            assert draining[-20:] == [0] * 20 and again[-50:].count(0) >= 49
+    assert chooser.group(64, 5) == chooser.group(64, 8) == (64, 8) and chooser.group(64, 33) == (64, 64)
+    assert chooser.group(48, 40) == (48, 48) and chooser.group(2) == (2, 2)
 
 
 def test_width_chooser_refuses_bad_settings():

@@ -144,8 +144,9 @@ class StaticRows:
         self.verify, self.chooser = verify, chooser
         self._unrecorded: tuple | None = None  # the last round, for `chooser.record` during the next one
         self._last_round_started = self._round_ended = 0.0  # (time.perf_counter())
-        # (rows, width, choice): the next round's width, chosen during this one
-        self._planned: tuple[int, int, tuple] | None = None
+        self._round_told: float | None = None  # `finish_round`
+        # (the chooser's group of rounds, width, choice): the next round's width, chosen during this one
+        self._planned: tuple[tuple[int, int], int, tuple] | None = None
         self.choice: tuple[str, dict[int, float] | None] | None = None  # the last round's (chooser.reason, .rates)
 
     @property
@@ -338,26 +339,27 @@ class StaticRows:
         if freed:
             self._owners_changed()
             self._set_sampling(freed, None)
-        if not self.occupied:  # no next round to record the last one during, nor to use a choice made before it
-            self._record_last_round(self._round_seconds())
-            self._planned = None
+        if not self.occupied:  # no next round to use a choice made before it (the last round is recorded during the
+            self._planned = None  # next one, whenever requests come again: its time may not be known yet)
 
-    def finish_round(self, delivered: float) -> None:
-        """Tells that the last round's tokens were delivered (streamed, checked for stops) at `delivered`
-        (`time.perf_counter()`): its time for the chooser ends there rather than when `step` returned."""
-        self._round_ended = delivered
+    def finish_round(self, seconds: float) -> None:
+        """Tells the last round's whole time for the chooser, as its caller measured it (`DSparkEngine.step`: the
+        step but its admissions), instead of `step`'s own."""
+        self._round_told = seconds
 
     def _round_seconds(self) -> float:
-        """The last round's whole time: from its start to the end of `step` or, later, `finish_round`. The host's work
-        on a round's tokens (each row's bookkeeping, streaming, stop checks) comes after the device's and costs every
-        round alike; the chooser's times leaving it out undervalued rounds that commit more tokens. (Admissions, and
-        whatever runs between the engine's steps, fall outside.)"""
-        return self._round_ended - self._last_round_started
+        """The last round's whole time: `finish_round`'s, or from its start to the end of `step`. The host's work
+        before a round and on its tokens (each row's bookkeeping, streaming, stop checks) costs every round alike:
+        the chooser's times leaving it out undervalue rounds that commit more tokens (on an H100 at c = 64 and 128,
+        the engine's steps took 0.15-0.2 ms a round more than the rounds and their delivery, which cost 0.6-1.6 ms).
+        (Admissions, and whatever runs between the engine's steps, fall outside.)"""
+        told = self._round_told
+        return told if told is not None else self._round_ended - self._last_round_started
 
     def _record_last_round(self, seconds: float) -> None:
         if self._unrecorded is not None:
             width, accepted, rows, captured, states = self._unrecorded
-            self.chooser.record(width, seconds, accepted, rows, captured, states)
+            self.chooser.record(width, seconds, accepted, rows, captured, states, requests=len(accepted))
             self._unrecorded = None
 
     @torch.no_grad()
@@ -371,10 +373,11 @@ class StaticRows:
         planned, self._planned = self._planned, None
         if self.chooser is None:
             verify, self.choice = self.verify, None
-        elif planned is not None and planned[0] == count:
+        elif planned is not None and planned[0] == self.chooser.group(count, len(occupied)):
             verify, self.choice = planned[1:]
-        else:  # the first round, or the number of rows changed since the choice (the chooser counted that one as a
-            verify = self.chooser.choose(count)  # round of the other number: a refresh due there may be skipped once)
+        else:  # the first round, or the round's group (rows, requests) changed since the choice, which the chooser
+            # counted as a round of the other group (a refresh due there may be skipped once)
+            verify = self.chooser.choose(count, len(occupied))
             self.choice = self.chooser.reason, self.chooser.rates
         # the rows' states after the last round, known only now, may change the width (rounds of a few rows)
         tracked = self.chooser is not None and len(occupied) <= self.chooser.state_rows
@@ -389,7 +392,7 @@ class StaticRows:
                 verify, self.choice = refined, (self.chooser.reason, self.chooser.rates)
         started = time.perf_counter()
         last_round = self._round_seconds()
-        self._last_round_started = started
+        self._last_round_started, self._round_told = started, None
         # (the whole round: one graph, whose replay needs neither the kernels' context nor the tap: the rounds enter
         # them only where their Python runs)
         with self._part("verify_forward"):
@@ -412,10 +415,12 @@ class StaticRows:
             else:
                 self._sampled_round(rounds, verify, filtered=kind == "filtered")
             if self.chooser is not None:  # while the device runs this round: the last round's time and acceptance,
-                self._record_last_round(last_round)  # then the next round's width (if it runs as many rows)
-                self._planned = (count, self.chooser.choose(count), (self.chooser.reason, self.chooser.rates))
-                if len(occupied) <= self.chooser.state_rows:  # (for `refine` once this round is done)
-                    self.chooser.prepare(count)
+                self._record_last_round(last_round)  # then the next round's width (if its rounds are of one group)
+                requests = len(occupied)
+                self._planned = (self.chooser.group(count, requests), self.chooser.choose(count, requests),
+                                 (self.chooser.reason, self.chooser.rates))
+                if requests <= self.chooser.state_rows:  # (for `refine` once this round is done)
+                    self.chooser.prepare(count, requests)
             # the round's one synchronisation: accepted drafts and the up to verify + 1 tokens committed, per row
             record = rounds.record[:, : verify + 2].tolist()
         committed, accepted_drafts = [], []

@@ -7,21 +7,21 @@ round, the v with the most expected committed tokens per second,
 
     (1 + S_1 + ... + S_v) / t(v),
 
-where t(v) is v's round time (the engine times a round whole, until its tokens are delivered: the host's work on them
-costs every round alike, and leaving it out undervalued the wider widths) and S_j the probability that a row accepts its
-first j drafts, estimated from every verified draft of recent rounds (hazards h_j = P(draft j accepted | drafts < j
-were), each its posterior mean on a uniform prior, S_j = h_1 ... h_j). A plain round commits one token per row. The
-counts of a draft slot decay (by `decay`, 0.999: about the last thousand rounds) only in rounds that verify it; a slot
-beyond the chosen width keeps what the other widths' rounds told, and one nobody verified counts as 1/2, not 0 (at
-c = 1, when unverified counts decayed and hazards were taken as accepted / reached, the choice could stick below the
-best width for good). The memory is long on purpose: on real text a few requests' good or bad stretch moves the
-estimate, and by the time it has the requests have changed. With 0.99 and posterior draws in every comparison (the
-chooser until 2026-12-05), the GPU's code50m cells at c = 2-16 split their rounds between γ = 3 and γ = 7 where
-γ = 3 led by 1.6-2.8 %; `benchmarks/chooser_on_text.py` reproduces that on the CPU. A width that looks better replaces
-the choice only if it leads by `switch_margin` in at least `switch_confidence` of `draws` joint draws of the hazards
-from their Beta posteriors (`confidence`): a lead resting on a few lucky rows is not enough. Not corrected yet: the
-counts are per round, and a wider round strides through easy text in fewer rounds, so the rounds of the width being run
-misestimate the others' acceptance by a few percent in its favour (docs/scheduling.md).
+where t(v) is v's round time (the engine times a round whole, its step but its admissions: the host's work before the
+round and on its tokens costs every round alike, and leaving it out undervalued the wider widths) and S_j the
+probability that a row accepts its first j drafts, estimated from every verified draft of recent rounds (hazards
+h_j = P(draft j accepted | drafts < j were), each its posterior mean on a uniform prior, S_j = h_1 ... h_j). A plain
+round commits one token per row. The counts of a draft slot decay (by `decay`, 0.999: about the last thousand rounds)
+only in rounds that verify it; a slot beyond the chosen width keeps what the other widths' rounds told, and one nobody
+verified counts as 1/2, not 0 (at c = 1, when unverified counts decayed and hazards were taken as accepted / reached,
+the choice could stick below the best width for good). The memory is long on purpose: on real text a few requests' good
+or bad stretch moves the estimate, and by the time it has the requests have changed. With 0.99 and posterior draws in
+every comparison (the chooser until 2026-12-05), the GPU's code50m cells at c = 2-16 split their rounds between γ = 3
+and γ = 7 where γ = 3 led by 1.6-2.8 %; `benchmarks/chooser_on_text.py` reproduces that on the CPU. A width that looks
+better replaces the choice only if it leads by `switch_margin` in at least `switch_confidence` of `draws` joint draws of
+the hazards from their Beta posteriors (`confidence`): a lead resting on a few lucky rows is not enough. Not corrected
+yet: the counts are per round, and a wider round strides through easy text in fewer rounds, so the rounds of the width
+being run misestimate the others' acceptance by a few percent in its favour (docs/scheduling.md).
 
 Acceptance also runs in stretches: on code50m's text, a row that accepted all 7 drafts of a round accepted 6 of the next
 round's on average, one that accepted none 0.57 (`chooser_on_text.py`'s fixed γ = 7 rounds at c = 4). So the counts are
@@ -49,30 +49,33 @@ rounds right after another width's are kept apart (`after_switch`, not in its re
 `window` of them, relative to the reference (`switch_cost`), is taken off the time of every round of another width
 that followed a round of a different width.
 
-Times are kept per number of rows the rounds run (`rows`: the engine runs the smallest power-of-two prefix of its
-rows that holds every request), acceptance across them. Every width is measured first (`warmup` discarded rounds: a
-compiled round's first calls compile and capture, then `samples`; a round whose graph was captured beforehand, e.g.
-by `DSparkEngine.warm_up()`, is timed from the first), the widths in turn (one round each, then again), so that
-every width is timed under the same conditions (on an H100 at c = 64 and 128, one width after another, plain's first
-rounds ran faster and γ = 3's slower than later in the run, and plain was chosen where γ = 3 served more); a number
-of rows not yet measured at some width
-borrows that width's cost from the nearest one that is (the larger of two equally near), so that a batch draining to
-fewer rows does not explore again. After that, each other width is run again once its wait has passed since it last
-ran there, so that neither its time nor the acceptance of drafts it would verify goes stale. The wait is
-`refresh_every` rounds (at this number of rows), doubled by every refresh that does not change the choice (up to
-`max_refresh_every`; a change of choice resets them all). From the second refresh after a change of choice on, the
-wait is stretched by 1 + gap / `refresh_gap` for a width whose expected rate is a fraction `gap` below the choice's:
-a refresh costs about gap of a round, so each width's refreshes cost at most about refresh_gap / wait of the rounds,
-however far behind it is (the first refresh comes unstretched, since the width's times may be stale). A refresh
-faster than every time kept for its width means those times are stale (e.g. measured while the machine was still
-warming up): if at the refresh's time the width would reach the choice's expected rate, they are dropped and the
-width is timed again (`samples` rounds in a row) before the next choice that reads it; otherwise the refresh is
-kept as one more time (retiming a width that would still trail cost the Qwen3-4B shape 6 rounds of γ = 1 at
-c = 16). A width that looks better than the current choice is first timed afresh (its kept times dropped, `samples`
-rounds in a row), and replaces the choice only if its expected rate is then still `switch_margin` higher: a change
-of choice on noise or on old times alone would restart the refreshes of every width. Once a choice is made it stands
-for `decide_every` rounds (or until a refresh is due) without recomputing the rates: the engine asks every round,
-and a round of a small model on a GPU lasts about a millisecond.
+Times are kept per group of rounds (`group`): the number of rows the rounds run (the engine runs the smallest prefix of
+its rows in its graph sizes that holds every request) and, up to a power of two, how many of them hold a request, since
+the host's work on a round's tokens grows with the requests (on an H100 at c = 64, the last rounds of a run, 1-23
+requests in the 64-row graph, timed plain at 0.45-0.48 ms against 0.57 with 64 requests; kept with the full rounds'
+times, they put plain's expected rate at 1.2 x γ = 3's, and the engine ran plain rounds where fixed γ = 3 served 1.09 x
+as much). Acceptance is counted across groups. Every width is measured first (`warmup` discarded rounds: a compiled
+round's first calls compile and capture, then `samples`; a round whose graph was captured beforehand, e.g. by
+`DSparkEngine.warm_up()`, is timed from the first), the widths in turn (one round each, then again), so that every width
+is timed under the same conditions (on an H100 at c = 64 and 128, one width after another, plain's first rounds ran
+faster and γ = 3's slower than later in the run, and plain was chosen where γ = 3 served more); a group not yet measured
+at some width borrows that width's cost from the nearest one that is (the same number of rows first; the larger of two
+equally near), so that a batch draining to fewer requests does not explore again. After that, each other width is run
+again once its wait has passed since it last ran there, so that neither its time nor the acceptance of drafts it would
+verify goes stale. The wait is `refresh_every` rounds (in this group), doubled by every refresh that does not change the
+choice (up to `max_refresh_every`; a change of choice resets them all). From the second refresh after a change of choice
+on, the wait is stretched by 1 + gap / `refresh_gap` for a width whose expected rate is a fraction `gap` below the
+choice's: a refresh costs about gap of a round, so each width's refreshes cost at most about refresh_gap / wait of the
+rounds, however far behind it is (the first refresh comes unstretched, since the width's times may be stale). A refresh
+faster than every time kept for its width means those times are stale (e.g. measured while the machine was still warming
+up): if at the refresh's time the width would reach the choice's expected rate, they are dropped and the width is timed
+again (`samples` rounds in a row) before the next choice that reads it; otherwise the refresh is kept as one more time
+(retiming a width that would still trail cost the Qwen3-4B shape 6 rounds of γ = 1 at c = 16). A width that looks better
+than the current choice is first timed afresh (its kept times dropped, `samples` rounds in a row), and replaces the
+choice only if its expected rate is then still `switch_margin` higher: a change of choice on noise or on old times alone
+would restart the refreshes of every width. Once a choice is made it stands for `decide_every` rounds (or until a
+refresh is due) without recomputing the rates: the engine asks every round, and a round of a small model on a GPU lasts
+about a millisecond.
 """
 
 from __future__ import annotations
@@ -164,7 +167,7 @@ class RoundWidthChooser:
         self._state_counts: dict[int, tuple[list[float], list[float]]] = {}
         self._unfolded: dict[tuple[int, int, int], int] = {}
         self._state_expected: dict[int, list[float]] = {}
-        self._state_rates: tuple | None = None  # `prepare`'s (rows, each width's seconds, each state's rates)
+        self._state_rates: tuple | None = None  # `prepare`'s (group, each width's seconds, each state's rates)
         self._records_since_prepared = 0
         self._last_width: int | None = None  # the last recorded round's width
         self.state_prior, self.state_rows, self.state_every = state_prior, state_rows, state_every
@@ -221,7 +224,7 @@ class RoundWidthChooser:
         start, where the device waits: it reads the table `prepare` built during the round before.)"""
         if self.reason not in REFINED or len(states) > self.state_rows:
             return width
-        self.prepare(rows)  # (done already, in the engine)
+        self.prepare(rows, len(states))  # (done already, in the engine)
         _, seconds, table = self._state_rates
         rates = None
         for state in states:
@@ -233,19 +236,20 @@ class RoundWidthChooser:
             self.reason, self.rates = "state", dict(zip(self.widths, rates))
         return self.widths[best]
 
-    def prepare(self, rows: int = 0) -> None:
-        """Computes, for `refine` in rounds of `rows` rows, every state's expected tokens per second at each width,
-        once every `state_every` rounds: the engine calls it while the device runs a round, after `choose`, and most
-        calls return at once. (Nothing to do when `choose` returned a width to measure, confirm or refresh: not every
-        width's time may be known then.)"""
-        if self.reason not in REFINED or (self._state_rates is not None and self._state_rates[0] == rows
+    def prepare(self, rows: int = 0, requests: int | None = None) -> None:
+        """Computes, for `refine` in rounds of `rows` rows holding `requests` requests (None: all), every state's
+        expected tokens per second at each width, once every `state_every` rounds: the engine calls it while the
+        device runs a round, after `choose`, and most calls return at once. (Nothing to do when `choose` returned a
+        width to measure, confirm or refresh: not every width's time may be known then.)"""
+        group = self.group(rows, requests)
+        if self.reason not in REFINED or (self._state_rates is not None and self._state_rates[0] == group
                                           and self._records_since_prepared < self.state_every):
             return
         self._records_since_prepared = 0
         self._fold_states()
-        seconds = [self._seconds(width, rows) for width in self.widths]
-        self._state_rates = (rows, seconds, {state: self._state_rates_of(state, seconds)
-                                             for state in (AFTER_PLAIN, *self._state_counts)})
+        seconds = [self._seconds(width, group) for width in self.widths]
+        self._state_rates = (group, seconds, {state: self._state_rates_of(state, seconds)
+                                              for state in (AFTER_PLAIN, *self._state_counts)})
 
     def _state_rates_of(self, state: int, seconds: list[float]) -> list[float]:
         tokens = self.state_tokens(state)
@@ -267,42 +271,54 @@ class RoundWidthChooser:
             wins += lead > 1 + self.switch_margin
         return wins / self.draws
 
-    def _bucket(self, rows: int) -> _WidthTimes:
-        if rows not in self._buckets:
-            self._buckets[rows] = _WidthTimes(self.widths, self.window, self.refresh_every, self.samples,
-                                              self.reference_rounds)
-        return self._buckets[rows]
+    @staticmethod
+    def group(rows: int, requests: int | None = None) -> tuple[int, int]:
+        """The round times' group of a round of `rows` rows, `requests` of which hold a request (None: all): the
+        rows, and the smallest power of two at least the requests (at most the rows)."""
+        return rows, rows if requests is None else min(rows, 1 << max(0, requests - 1).bit_length())
 
-    def _seconds(self, width: int, rows: int) -> float | None:
-        """`width`'s current round time at `rows` rows; until it is measured there, from the nearest number of rows
-        where it is (None: nowhere yet)."""
-        own = self._buckets[rows].seconds(width) if rows in self._buckets else None
+    def _bucket(self, group: tuple[int, int]) -> _WidthTimes:
+        if group not in self._buckets:
+            self._buckets[group] = _WidthTimes(self.widths, self.window, self.refresh_every, self.samples,
+                                               self.reference_rounds)
+        return self._buckets[group]
+
+    def _seconds(self, width: int, group: tuple[int, int]) -> float | None:
+        """`width`'s current round time in `group`; until it is measured there, from the nearest group where it is
+        (the same number of rows first, then the nearest number of requests; None: nowhere yet)."""
+        own = self._buckets[group].seconds(width) if group in self._buckets else None
         if own is not None:
             return own
-        measured = [count for count, bucket in self._buckets.items() if bucket.seconds(width) is not None]
+        measured = [other for other, bucket in self._buckets.items() if bucket.seconds(width) is not None]
         if not measured:
             return None
-        nearest = min(measured, key=lambda count: (abs(math.log2(max(count, 1) / max(rows, 1))), -count))
-        return self._buckets[nearest].seconds(width)
 
-    def throughput(self, width: int, rows: int = 0) -> float | None:
-        """Expected committed tokens per second and row for `width` in rounds of `rows` rows (None: not measured
-        yet)."""
-        seconds = self._seconds(width, rows)
+        def distance(other: tuple[int, int]) -> tuple[float, float, int, int]:
+            (rows, requests), (other_rows, other_requests) = group, other
+            return (abs(math.log2(max(other_rows, 1) / max(rows, 1))),
+                    abs(math.log2(max(other_requests, 1) / max(requests, 1))), -other_rows, -other_requests)
+        return self._buckets[min(measured, key=distance)].seconds(width)
+
+    def throughput(self, width: int, rows: int = 0, requests: int | None = None) -> float | None:
+        """Expected committed tokens per second and row for `width` in rounds of `rows` rows holding `requests`
+        requests (None: all; None returned: not measured yet)."""
+        seconds = self._seconds(width, self.group(rows, requests))
         return None if seconds is None else self.expected_tokens(width) / seconds
 
-    def choose(self, rows: int = 0) -> int:
-        """The number of drafts the next round (of `rows` rows) verifies. `reason` tells why: "settled" (the choice
-        stands), "measure" (a width not measured yet, or timed afresh), "confirm" (a width that looks better, timed
-        afresh first), "switch" (it replaces the choice), "keep" (the comparison kept the choice) or "refresh" (a
-        width not chosen, run again); `rates` holds the compared rates, if this call compared them."""
-        bucket = self._bucket(rows)
+    def choose(self, rows: int = 0, requests: int | None = None) -> int:
+        """The number of drafts the next round (of `rows` rows, `requests` of them holding a request; None: all)
+        verifies. `reason` tells why: "settled" (the choice stands), "measure" (a width not measured yet, or timed
+        afresh), "confirm" (a width that looks better, timed afresh first), "switch" (it replaces the choice), "keep"
+        (the comparison kept the choice) or "refresh" (a width not chosen, run again); `rates` holds the compared
+        rates, if this call compared them."""
+        group = self.group(rows, requests)
+        bucket = self._bucket(group)
         bucket.rounds += 1
         self.rates = None
         if bucket.rounds < bucket.settled_until:
             self.reason = "settled"
             return bucket.best
-        times = {width: self._seconds(width, rows) for width in self.widths}
+        times = {width: self._seconds(width, group) for width in self.widths}
         unmeasured = [width for width, seconds in times.items() if seconds is None]
         if unmeasured or bucket.retiming:
             self.reason = "measure"
@@ -346,12 +362,13 @@ class RoundWidthChooser:
         return best
 
     def record(self, width: int, seconds: float, accepted: list[int], rows: int = 0, captured: bool = False,
-               states: list[int] | None = None) -> None:
+               states: list[int] | None = None, requests: int | None = None) -> None:
         """A finished round of `rows` rows that verified `width` drafts: its wall-clock seconds and each running
         request's accepted drafts. `captured`: the round replayed a graph captured before (timed even among the
         first `warmup` rounds). `states`: each row's acceptance state before the round (`acceptance_state`), for
-        `state_tokens`."""
-        bucket = self._bucket(rows)
+        `state_tokens`. `requests`: the rows that held a request (None: all)."""
+        group = self.group(rows, requests)
+        bucket = self._bucket(group)
         bucket.last_run[width] = bucket.rounds
         bucket.runs[width] += 1
         self._records_since_prepared += 1
@@ -363,7 +380,7 @@ class RoundWidthChooser:
             if width != bucket.best and after_other:
                 log_seconds -= bucket.switch_cost()
             bucket.add(width, log_seconds, after_other,
-                       may_retime=width == bucket.best or self._could_lead(width, math.exp(log_seconds), rows))
+                       may_retime=width == bucket.best or self._could_lead(width, math.exp(log_seconds), group))
         if width == 0 or not accepted:
             return
         self._count(width, Counter(accepted), len(accepted), self._reached, self._accepted)
@@ -410,29 +427,29 @@ class RoundWidthChooser:
             at_least -= rows_with.get(slot, 0)
             accepted_counts[slot] = accepted_counts[slot] * decay + at_least
 
-    def _could_lead(self, width: int, seconds: float, rows: int) -> bool:
-        """Whether `width`, if its rounds took `seconds`, would reach the chosen width's expected rate at `rows` rows
+    def _could_lead(self, width: int, seconds: float, group: tuple[int, int]) -> bool:
+        """Whether `width`, if its rounds took `seconds`, would reach the chosen width's expected rate in `group`
         (a faster refresh of a width that would still trail is kept as one more time, not a reason to retime it)."""
-        best = self._buckets[rows].best
+        best = self._buckets[group].best
         if best is None:
             return True
-        chosen = self._seconds(best, rows)
+        chosen = self._seconds(best, group)
         return chosen is None or self.expected_tokens(width) / seconds >= self.expected_tokens(best) / chosen
 
-    def summary(self) -> dict[int, dict[int, dict[str, float | None]]]:
-        """Per number of rows, per width: current round milliseconds, expected tokens per row, and tokens per second
-        per row."""
-        return {rows: {width: {"round_ms": None if bucket.seconds(width) is None else 1e3 * bucket.seconds(width),
-                               "tokens_per_row": self.expected_tokens(width),
-                               "tokens_per_second_per_row": self.throughput(width, rows)}
-                       for width in self.widths}
-                for rows, bucket in sorted(self._buckets.items())}
+    def summary(self) -> dict[tuple[int, int], dict[int, dict[str, float | None]]]:
+        """Per group of rounds (`group`: rows, and requests up to a power of two), per width: current round
+        milliseconds, expected tokens per row, and tokens per second per row."""
+        return {group: {width: {"round_ms": None if bucket.seconds(width) is None else 1e3 * bucket.seconds(width),
+                                "tokens_per_row": self.expected_tokens(width),
+                                "tokens_per_second_per_row": self.throughput(width, *group)}
+                        for width in self.widths}
+                for group, bucket in sorted(self._buckets.items())}
 
 
 class _WidthTimes:
-    """One number of rows' round times, and the schedule of its refreshes. The chosen width's last log times are the
-    `reference`; every other width's are kept relative to the reference's median when they ran (before the first
-    choice: as they are, relative to 0)."""
+    """One group's round times (`RoundWidthChooser.group`), and the schedule of its refreshes. The chosen width's last
+    log times are the `reference`; every other width's are kept relative to the reference's median when they ran
+    (before the first choice: as they are, relative to 0)."""
 
     def __init__(self, widths: tuple[int, ...], window: int, refresh_every: int, samples: int, reference_rounds: int):
         self.relative = {width: deque(maxlen=window) for width in widths}
@@ -511,7 +528,7 @@ class _WidthTimes:
         the reference and every other width's kept values are re-expressed relative to it (the old choice's as the
         negated values of `width`'s)."""
         shift = self.offset(width)
-        if shift is None:  # (its time borrowed from another number of rows)
+        if shift is None:  # (its time borrowed from another group)
             shift = math.log(seconds) - self.level()
         moved = list(self.relative[width])
         for other, kept in self.relative.items():

@@ -366,6 +366,7 @@ class DSparkEngine:
     def step(self) -> bool:
         """One round: retire cancelled requests, admit waiting ones, draft + verify every running request.
         Returns False when there was nothing to do."""
+        entered = time.perf_counter()
         with self._lock:
             asked, self._cancels = self._cancels, []
             cancelled = [request.row for request in asked if request.row is not None]  # the running ones
@@ -384,11 +385,17 @@ class DSparkEngine:
         if not admitted and not self.runner.rows:
             return bool(cancelled)
         with decoding_attention(), self.runner.profiler.round() if self.runner.profiler is not None else nullcontext():
-            self._round(admitted)
+            admitting = self._round(admitted)
+        if admitting is not None and isinstance(self.runner, StaticRows):
+            # the round's time for its width chooser: this whole step but its admissions (the host's work before the
+            # round and on its tokens, streaming and stop checks included, costs every round alike; the step before
+            # and whatever runs between steps are out)
+            self.runner.finish_round(time.perf_counter() - entered - admitting)
         return True
 
-    def _round(self, admitted: list[Request]) -> None:
-        """Admits `admitted` (one prefill), then one draft + verify round for every running request."""
+    def _round(self, admitted: list[Request]) -> float | None:
+        """Admits `admitted` (one prefill), then one draft + verify round for every running request. Returns the
+        seconds admitting took if a round ran (None: every admitted request finished at its first token)."""
         started = time.perf_counter()
         if admitted:
             rows = []
@@ -398,7 +405,8 @@ class DSparkEngine:
                 rows.append(request.row)
             self.runner.remove(self._deliver(rows, self.runner.add(rows)))
         admitted_at = now = time.perf_counter()
-        if self.runner.rows:
+        ran = bool(self.runner.rows)
+        if ran:
             rows = list(self.runner.rows)
             committed = self.runner.step()
             state = self.runner.state
@@ -415,10 +423,9 @@ class DSparkEngine:
             self.round_log.append(entry)
             done = self._deliver(rows, committed)
             entry["delivered"] = time.perf_counter()  # (streaming and stop checks done)
-            if static:  # (the round's time for its width chooser ends with the delivery)
-                self.runner.finish_round(entry["delivered"])
             self.runner.remove(done)
         self.join_gate.record(len(admitted), admitted_at - started, now - admitted_at)
+        return admitted_at - started if ran else None
 
     def round_profile(self) -> dict[str, float]:
         """Milliseconds per round in each part (`generation.profiling.PARTS`) and in all, over the rounds so far.
