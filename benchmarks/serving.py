@@ -548,7 +548,7 @@ def run_eager_cells(target, drafter, prompts, concurrency: int, chosen: dict[str
 
 
 COMPACT_COLUMNS = ["ended_ms", "rows", "admitted", "verify", "accepted", "admit_ms", "step_ms", "upkeep",
-                   "deliver_ms", "choice", "rates"]
+                   "deliver_ms", "choice", "rates", "outside_ms"]
 
 
 def compact_round_log(log: list[dict], origin: float) -> list[list]:
@@ -556,10 +556,13 @@ def compact_round_log(log: list[dict], origin: float) -> list[list]:
     row's), drafts accepted in all, admission ms, draft + verify ms, the drafter-context upkeep the round ran first
     ("flush", "forget" or None), ms from its end until its tokens were delivered, why the chooser chose the round's
     width (`RoundWidthChooser.reason`; None without a chooser), the rates it compared then ({width: tokens per second
-    and row}, or None)]."""
+    and row}, or None), ms of the engine's step outside the admission, round and delivery (before the round and after
+    the delivery; None if not logged)]."""
     return [[round(1e3 * (e["ended"] - origin), 3), e["batch"], e["admitted"], max(e["verify"], default=0),
              sum(e["accepted"]), round(1e3 * e["admit_seconds"], 4), round(1e3 * e["step_seconds"], 4), e["upkeep"],
-             round(1e3 * (e["delivered"] - e["ended"]), 4), *compact_choice(e.get("choice"))] for e in log]
+             round(1e3 * (e["delivered"] - e["ended"]), 4), *compact_choice(e.get("choice")),
+             round(1e3 * (e["finished"] - e["entered"] - e["seconds"] - (e["delivered"] - e["ended"])), 4)
+             if "finished" in e else None] for e in log]
 
 
 def compact_choice(choice: tuple | None) -> list:

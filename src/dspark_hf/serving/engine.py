@@ -257,8 +257,8 @@ class DSparkEngine:
         # round), ended (time.perf_counter() at the round's end), upkeep (static engines: the drafter-context upkeep
         # the round ran first, "flush" or "forget"; else None), choice (static engines with a chooser: why its width
         # was chosen and the rates then compared, `StaticRows.choice`; else None), delivered (time.perf_counter() once
-        # its tokens are streamed and checked for stops); the last ROUND_LOG_ROUNDS rounds (a server runs hundreds of
-        # rounds a second)
+        # its tokens are streamed and checked for stops), entered and finished (time.perf_counter() when the step began
+        # and ended); the last ROUND_LOG_ROUNDS rounds (a server runs hundreds of rounds a second)
         self.round_log: deque[dict] = deque(maxlen=ROUND_LOG_ROUNDS)
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -386,11 +386,14 @@ class DSparkEngine:
             return bool(cancelled)
         with decoding_attention(), self.runner.profiler.round() if self.runner.profiler is not None else nullcontext():
             admitting = self._round(admitted)
-        if admitting is not None and isinstance(self.runner, StaticRows):
-            # the round's time for its width chooser: this whole step but its admissions (the host's work before the
-            # round and on its tokens, streaming and stop checks included, costs every round alike; the step before
-            # and whatever runs between steps are out)
-            self.runner.finish_round(time.perf_counter() - entered - admitting)
+        if admitting is not None:
+            entry = self.round_log[-1]
+            entry["entered"], entry["finished"] = entered, time.perf_counter()
+            if isinstance(self.runner, StaticRows):
+                # the round's time for its width chooser: this whole step but its admissions (the host's work before
+                # the round and on its tokens, streaming and stop checks included, costs every round alike; the step
+                # before and whatever runs between steps are out)
+                self.runner.finish_round(entry["finished"] - entered - admitting)
         return True
 
     def _round(self, admitted: list[Request]) -> float | None:
