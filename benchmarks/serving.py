@@ -110,6 +110,9 @@ TRACE = RESULTS / "serving_trace_code50m.json"
 # the hardware-aware policy's SPS table is profiled at these sizes (real models)
 SPS_PROFILE = dict(batch_tokens=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048), context_length=256, repeats=5)
 SHARED_ENGINE = "drafting"  # --shared-graphs: the engine every drafting policy runs on
+# --static, only when named in --policies: the hardware-aware engine with its chooser timing a round as before 9cb870e
+# (from the round's start until its tokens were delivered), beside the current one (its whole step but its admissions)
+ROUND_TIMED = "hardware_aware_round_timed"
 GUARD = SpeculationGuard()  # the hardware-aware engines' guard: one for the whole run, like a long-running server
 
 
@@ -119,8 +122,19 @@ def policies(threshold: float, gamma_max: int) -> dict[str, dict]:
         if gamma <= gamma_max:
             table[f"fixed_{gamma}"] = dict(policy="fixed", gamma=gamma)
     table["static_threshold"] = dict(policy="static_threshold", threshold=threshold)
-    table["hardware_aware"] = dict(policy="hardware_aware")
+    table["hardware_aware"] = table[ROUND_TIMED] = dict(policy="hardware_aware")
     return table
+
+
+def time_rounds_only(engine: DSparkEngine) -> None:
+    """`ROUND_TIMED`: the engine tells its chooser each round's time from the round's start until its tokens were
+    delivered, leaving out the step's host work before the round and after the delivery."""
+    finish = engine.runner.finish_round
+
+    def told(_step_seconds: float) -> None:
+        entry = engine.round_log[-1]
+        finish(entry["step_seconds"] + entry["delivered"] - entry["ended"])
+    engine.runner.finish_round = told
 
 
 # ---------------------------------------------------------------------------------------------------- models
@@ -605,6 +619,8 @@ def run_static_cells(target, drafter, prompts, concurrency: int, names: list[str
             static_admission_rows=args.admission_rows)
         if args.eager_admission_from is not None:
             engine.runner.eager_admission_from = args.eager_admission_from
+        if key == ROUND_TIMED:
+            time_rounds_only(engine)
         if trace is not None and policy != "no_spec":  # (before the graphs are captured: they read its buffer)
             patches[key] = StaticTraceReplayer(trace, engine, seed=concurrency)
         chooser = engine.runner.chooser
@@ -918,7 +934,8 @@ def main() -> None:
               flush=True)
 
     chosen = {name: setting for name, setting in policies(args.threshold, gamma_max).items()
-              if (not args.policies or name in args.policies) and not (args.static and name == "static_threshold")}
+              if (not args.policies or name in args.policies) and not (args.static and name == "static_threshold")
+              and (name != ROUND_TIMED or args.static and args.policies)}
     with torch.inference_mode():
         # concurrency outside, policies inside: the policies compared at one concurrency run minutes apart at most
         for concurrency in args.concurrency:
