@@ -42,7 +42,7 @@ class GpuClock:
         self.random = random.Random(seed)
         self.seconds, self.widths, self.last = 0.0, Counter(), None
         record_last_round = engine.runner._record_last_round  # (which records nothing when no round is pending)
-        engine.runner._record_last_round = lambda _cpu_seconds: record_last_round(self.last)
+        engine.runner._record_last_round = lambda _cpu_seconds, _overhead=None: record_last_round(self.last)
 
     def step(self) -> None:
         """One engine round, timed by its width."""

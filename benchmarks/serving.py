@@ -110,8 +110,8 @@ TRACE = RESULTS / "serving_trace_code50m.json"
 # the hardware-aware policy's SPS table is profiled at these sizes (real models)
 SPS_PROFILE = dict(batch_tokens=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048), context_length=256, repeats=5)
 SHARED_ENGINE = "drafting"  # --shared-graphs: the engine every drafting policy runs on
-# --static, only when named in --policies: the hardware-aware engine with its chooser timing a round as before 9cb870e
-# (from the round's start until its tokens were delivered), beside the current one (its whole step but its admissions)
+# --static, only when named in --policies: the hardware-aware engine with its chooser told no overhead (the server's
+# step around a round), as before 2026-12-06, beside the current one
 ROUND_TIMED = "hardware_aware_round_timed"
 GUARD = SpeculationGuard()  # the hardware-aware engines' guard: one for the whole run, like a long-running server
 
@@ -127,14 +127,10 @@ def policies(threshold: float, gamma_max: int) -> dict[str, dict]:
 
 
 def time_rounds_only(engine: DSparkEngine) -> None:
-    """`ROUND_TIMED`: the engine tells its chooser each round's time from the round's start until its tokens were
-    delivered, leaving out the step's host work before the round and after the delivery."""
+    """`ROUND_TIMED`: the engine tells its chooser each round's time until its tokens were delivered, and no overhead
+    (the step's host work before the round and after the delivery)."""
     finish = engine.runner.finish_round
-
-    def told(_step_seconds: float) -> None:
-        entry = engine.round_log[-1]
-        finish(entry["step_seconds"] + entry["delivered"] - entry["ended"])
-    engine.runner.finish_round = told
+    engine.runner.finish_round = lambda delivered, overhead=None: finish(delivered)
 
 
 # ---------------------------------------------------------------------------------------------------- models

@@ -546,7 +546,7 @@ class RecordingWidths(RandomWidths):
 
     def __init__(self, widths, seed: int):
         super().__init__(widths, seed)
-        self.calls, self.captured, self.seconds, self.states = [], [], [], []
+        self.calls, self.captured, self.seconds, self.states, self.overheads = [], [], [], [], []
 
     def choose(self, rows: int = 0, requests: int | None = None) -> int:
         width = super().choose(rows)
@@ -554,10 +554,11 @@ class RecordingWidths(RandomWidths):
         return width
 
     def record(self, width: int, seconds: float, accepted: list[int], rows: int = 0, captured: bool = False,
-               states: list[int] | None = None, requests: int | None = None) -> None:
+               states: list[int] | None = None, requests: int | None = None, overhead: float | None = None) -> None:
         self.calls.append(("record", width, self.group(rows, requests), list(accepted)))
         self.captured.append(captured)
         self.seconds.append(seconds)
+        self.overheads.append(overhead)
         self.states.append(states)
 
 
@@ -618,10 +619,10 @@ def test_static_engine_calls_its_chooser_while_the_device_runs_a_round(models, s
 
 
 def test_static_engine_times_each_round_with_its_delivery_for_its_chooser(models, monkeypatch):
-    """The chooser gets a round's whole time: the engine's step, the host's work before the round (here its join
-    gate takes 10 ms) and on its tokens (here each request's `on_token` takes 20 ms, and the gate's record another
-    10 ms) included, and neither the admissions (here one that takes 300 ms) nor whatever runs between the engine's
-    steps (here 200 ms)."""
+    """The chooser gets a round's whole time, from its start until its tokens are delivered (here each request's
+    `on_token` takes 20 ms), and as its overhead the rest of the engine's step (here its join gate takes 10 ms before
+    the round and 10 ms after): neither holds the admissions (here one that takes 300 ms) nor whatever runs between
+    the engine's steps (here 200 ms)."""
     target, drafter = models
     engine = DSparkEngine(target, drafter, max_batch_size=2, max_model_len=96, static=True, policy="hardware_aware",
                           default_sampling={"temperature": 0})
@@ -649,10 +650,10 @@ def test_static_engine_times_each_round_with_its_delivery_for_its_chooser(models
     engine.add_request([5, 6], max_tokens=4)  # (the last round is recorded during the next one)
     engine.step()
     assert len(chooser.seconds) == rounds == len(engine.round_log) - 1 > 5
-    for seconds, entry in zip(chooser.seconds, engine.round_log):  # (the log's step also holds a choice: µs)
-        delivery = 0.02 * entry["batch"]
-        host = entry["step_seconds"] + delivery + 0.02
-        assert host - 0.005 <= seconds < host + 0.1
+    for seconds, overhead, entry in zip(chooser.seconds, chooser.overheads, engine.round_log):
+        delivery = 0.02 * entry["batch"]  # (the log's step also holds a choice: µs)
+        assert entry["step_seconds"] + delivery - 0.005 <= seconds < entry["step_seconds"] + delivery + 0.1
+        assert 0.02 <= overhead < 0.05
         assert delivery <= entry["delivered"] - entry["ended"] < delivery + 0.1  # (the round log's delivery too)
 
 

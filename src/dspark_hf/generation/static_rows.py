@@ -144,7 +144,7 @@ class StaticRows:
         self.verify, self.chooser = verify, chooser
         self._unrecorded: tuple | None = None  # the last round, for `chooser.record` during the next one
         self._last_round_started = self._round_ended = 0.0  # (time.perf_counter())
-        self._round_told: float | None = None  # `finish_round`
+        self._round_overhead: float | None = None  # `finish_round`
         # (the chooser's group of rounds, width, choice): the next round's width, chosen during this one
         self._planned: tuple[tuple[int, int], int, tuple] | None = None
         self.choice: tuple[str, dict[int, float] | None] | None = None  # the last round's (chooser.reason, .rates)
@@ -342,24 +342,25 @@ class StaticRows:
         if not self.occupied:  # no next round to use a choice made before it (the last round is recorded during the
             self._planned = None  # next one, whenever requests come again: its time may not be known yet)
 
-    def finish_round(self, seconds: float) -> None:
-        """Tells the last round's whole time for the chooser, as its caller measured it (`DSparkEngine.step`: the
-        step but its admissions), instead of `step`'s own."""
-        self._round_told = seconds
+    def finish_round(self, delivered: float, overhead: float | None = None) -> None:
+        """Tells that the last round's tokens were delivered (streamed, checked for stops) at `delivered`
+        (`time.perf_counter()`): its time for the chooser ends there rather than when `step` returned; and the
+        seconds its caller's step spent around it (`DSparkEngine.step`: before the round and after the delivery,
+        admissions left out), the chooser's `overhead`."""
+        self._round_ended, self._round_overhead = delivered, overhead
 
     def _round_seconds(self) -> float:
-        """The last round's whole time: `finish_round`'s, or from its start to the end of `step`. The host's work
-        before a round and on its tokens (each row's bookkeeping, streaming, stop checks) costs every round alike:
-        the chooser's times leaving it out undervalue rounds that commit more tokens (on an H100 at c = 64 and 128,
-        the engine's steps took 0.15-0.2 ms a round more than the rounds and their delivery, which cost 0.6-1.6 ms).
-        (Admissions, and whatever runs between the engine's steps, fall outside.)"""
-        told = self._round_told
-        return told if told is not None else self._round_ended - self._last_round_started
+        """The last round's whole time: from its start to the end of `step` or, later, `finish_round`. The host's work
+        on a round's tokens (each row's bookkeeping, streaming, stop checks) comes after the device's and costs every
+        round alike; the chooser's times leaving it out undervalued rounds that commit more tokens. (Admissions, and
+        whatever runs between the engine's steps, fall outside.)"""
+        return self._round_ended - self._last_round_started
 
-    def _record_last_round(self, seconds: float) -> None:
+    def _record_last_round(self, seconds: float, overhead: float | None = None) -> None:
         if self._unrecorded is not None:
             width, accepted, rows, captured, states = self._unrecorded
-            self.chooser.record(width, seconds, accepted, rows, captured, states, requests=len(accepted))
+            self.chooser.record(width, seconds, accepted, rows, captured, states, requests=len(accepted),
+                                overhead=overhead)
             self._unrecorded = None
 
     @torch.no_grad()
@@ -391,8 +392,8 @@ class StaticRows:
             if refined != verify:
                 verify, self.choice = refined, (self.chooser.reason, self.chooser.rates)
         started = time.perf_counter()
-        last_round = self._round_seconds()
-        self._last_round_started, self._round_told = started, None
+        last_round, overhead = self._round_seconds(), self._round_overhead
+        self._last_round_started, self._round_overhead = started, None
         # (the whole round: one graph, whose replay needs neither the kernels' context nor the tap: the rounds enter
         # them only where their Python runs)
         with self._part("verify_forward"):
@@ -415,7 +416,7 @@ class StaticRows:
             else:
                 self._sampled_round(rounds, verify, filtered=kind == "filtered")
             if self.chooser is not None:  # while the device runs this round: the last round's time and acceptance,
-                self._record_last_round(last_round)  # then the next round's width (if its rounds are of one group)
+                self._record_last_round(last_round, overhead)  # then the next round's width (if of one group)
                 requests = len(occupied)
                 self._planned = (self.chooser.group(count, requests), self.chooser.choose(count, requests),
                                  (self.chooser.reason, self.chooser.rates))

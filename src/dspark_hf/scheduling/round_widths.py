@@ -7,21 +7,24 @@ round, the v with the most expected committed tokens per second,
 
     (1 + S_1 + ... + S_v) / t(v),
 
-where t(v) is v's round time (the engine times a round whole, its step but its admissions: the host's work before the
-round and on its tokens costs every round alike, and leaving it out undervalued the wider widths) and S_j the
-probability that a row accepts its first j drafts, estimated from every verified draft of recent rounds (hazards
-h_j = P(draft j accepted | drafts < j were), each its posterior mean on a uniform prior, S_j = h_1 ... h_j). A plain
-round commits one token per row. The counts of a draft slot decay (by `decay`, 0.999: about the last thousand rounds)
-only in rounds that verify it; a slot beyond the chosen width keeps what the other widths' rounds told, and one nobody
-verified counts as 1/2, not 0 (at c = 1, when unverified counts decayed and hazards were taken as accepted / reached,
-the choice could stick below the best width for good). The memory is long on purpose: on real text a few requests' good
-or bad stretch moves the estimate, and by the time it has the requests have changed. With 0.99 and posterior draws in
-every comparison (the chooser until 2026-12-05), the GPU's code50m cells at c = 2-16 split their rounds between γ = 3
-and γ = 7 where γ = 3 led by 1.6-2.8 %; `benchmarks/chooser_on_text.py` reproduces that on the CPU. A width that looks
-better replaces the choice only if it leads by `switch_margin` in at least `switch_confidence` of `draws` joint draws of
-the hazards from their Beta posteriors (`confidence`): a lead resting on a few lucky rows is not enough. Not corrected
-yet: the counts are per round, and a wider round strides through easy text in fewer rounds, so the rounds of the width
-being run misestimate the others' acceptance by a few percent in its favour (docs/scheduling.md).
+where t(v) is v's round time (the engine times a round whole, until its tokens are delivered: the host's work on them
+costs every round alike, and leaving it out undervalued the wider widths) plus the overhead of the server's step around
+a round (`record`'s `overhead`: before the round and after the delivery, 0.14-0.23 ms a round on an H100 at c = 64-128
+against rounds of 0.6-1.6 ms; every width's, so its median over the group's last `window` rounds, which keeps its
+hiccups, 0.1 ms in some rounds, out of the comparisons between widths), and S_j the probability that a row accepts its
+first j drafts, estimated from every verified draft of recent rounds (hazards h_j = P(draft j accepted | drafts < j
+were), each its posterior mean on a uniform prior, S_j = h_1 ... h_j). A plain round commits one token per row. The
+counts of a draft slot decay (by `decay`, 0.999: about the last thousand rounds) only in rounds that verify it; a slot
+beyond the chosen width keeps what the other widths' rounds told, and one nobody verified counts as 1/2, not 0 (at
+c = 1, when unverified counts decayed and hazards were taken as accepted / reached, the choice could stick below the
+best width for good). The memory is long on purpose: on real text a few requests' good or bad stretch moves the
+estimate, and by the time it has the requests have changed. With 0.99 and posterior draws in every comparison (the
+chooser until 2026-12-05), the GPU's code50m cells at c = 2-16 split their rounds between γ = 3 and γ = 7 where γ = 3
+led by 1.6-2.8 %; `benchmarks/chooser_on_text.py` reproduces that on the CPU. A width that looks better replaces the
+choice only if it leads by `switch_margin` in at least `switch_confidence` of `draws` joint draws of the hazards from
+their Beta posteriors (`confidence`): a lead resting on a few lucky rows is not enough. Not corrected yet: the counts
+are per round, and a wider round strides through easy text in fewer rounds, so the rounds of the width being run
+misestimate the others' acceptance by a few percent in its favour (docs/scheduling.md).
 
 Acceptance also runs in stretches: on code50m's text, a row that accepted all 7 drafts of a round accepted 6 of the next
 round's on average, one that accepted none 0.57 (`chooser_on_text.py`'s fixed γ = 7 rounds at c = 4). So the counts are
@@ -247,7 +250,8 @@ class RoundWidthChooser:
             return
         self._records_since_prepared = 0
         self._fold_states()
-        seconds = [self._seconds(width, group) for width in self.widths]
+        overhead = self._buckets[group].overhead() if group in self._buckets else 0.0
+        seconds = [self._seconds(width, group) + overhead for width in self.widths]
         self._state_rates = (group, seconds, {state: self._state_rates_of(state, seconds)
                                               for state in (AFTER_PLAIN, *self._state_counts)})
 
@@ -302,8 +306,12 @@ class RoundWidthChooser:
     def throughput(self, width: int, rows: int = 0, requests: int | None = None) -> float | None:
         """Expected committed tokens per second and row for `width` in rounds of `rows` rows holding `requests`
         requests (None: all; None returned: not measured yet)."""
-        seconds = self._seconds(width, self.group(rows, requests))
-        return None if seconds is None else self.expected_tokens(width) / seconds
+        group = self.group(rows, requests)
+        seconds = self._seconds(width, group)
+        if seconds is None:
+            return None
+        return self.expected_tokens(width) / (seconds + (self._buckets[group].overhead() if group in self._buckets
+                                                         else 0.0))
 
     def choose(self, rows: int = 0, requests: int | None = None) -> int:
         """The number of drafts the next round (of `rows` rows, `requests` of them holding a request; None: all)
@@ -327,11 +335,13 @@ class RoundWidthChooser:
             width = min(unmeasured, key=lambda width: (bucket.measure_turns[width], width))  # (in turn)
             bucket.measure_turns[width] += 1
             return width
-        self.rates = rates = self._rates(times)
+        overhead = bucket.overhead()
+        costs = {width: seconds + overhead for width, seconds in times.items()}
+        self.rates = rates = self._rates(costs)
         best = max(self.widths, key=rates.__getitem__)
         if bucket.best is not None and best != bucket.best and (
                 rates[best] < (1 + self.switch_margin) * rates[bucket.best]
-                or self.confidence(best, bucket.best, times) < self.switch_confidence):
+                or self.confidence(best, bucket.best, costs) < self.switch_confidence):
             best = bucket.best
         if best != bucket.best and bucket.best is not None and bucket.confirming != best:
             bucket.confirming = best  # time it afresh (`samples` rounds in a row) before it replaces the choice
@@ -362,13 +372,16 @@ class RoundWidthChooser:
         return best
 
     def record(self, width: int, seconds: float, accepted: list[int], rows: int = 0, captured: bool = False,
-               states: list[int] | None = None, requests: int | None = None) -> None:
+               states: list[int] | None = None, requests: int | None = None, overhead: float | None = None) -> None:
         """A finished round of `rows` rows that verified `width` drafts: its wall-clock seconds and each running
         request's accepted drafts. `captured`: the round replayed a graph captured before (timed even among the
         first `warmup` rounds). `states`: each row's acceptance state before the round (`acceptance_state`), for
-        `state_tokens`. `requests`: the rows that held a request (None: all)."""
+        `state_tokens`. `requests`: the rows that held a request (None: all). `overhead`: the seconds the server's
+        step spent around the round (before it, after its tokens were delivered; see the module docstring)."""
         group = self.group(rows, requests)
         bucket = self._bucket(group)
+        if overhead is not None:
+            bucket.add_overhead(overhead)
         bucket.last_run[width] = bucket.rounds
         bucket.runs[width] += 1
         self._records_since_prepared += 1
@@ -430,16 +443,19 @@ class RoundWidthChooser:
     def _could_lead(self, width: int, seconds: float, group: tuple[int, int]) -> bool:
         """Whether `width`, if its rounds took `seconds`, would reach the chosen width's expected rate in `group`
         (a faster refresh of a width that would still trail is kept as one more time, not a reason to retime it)."""
-        best = self._buckets[group].best
-        if best is None:
+        bucket = self._buckets[group]
+        if bucket.best is None:
             return True
-        chosen = self._seconds(best, group)
-        return chosen is None or self.expected_tokens(width) / seconds >= self.expected_tokens(best) / chosen
+        chosen, overhead = self._seconds(bucket.best, group), bucket.overhead()
+        return chosen is None or (self.expected_tokens(width) / (seconds + overhead)
+                                  >= self.expected_tokens(bucket.best) / (chosen + overhead))
 
     def summary(self) -> dict[tuple[int, int], dict[int, dict[str, float | None]]]:
         """Per group of rounds (`group`: rows, and requests up to a power of two), per width: current round
-        milliseconds, expected tokens per row, and tokens per second per row."""
+        milliseconds, the group's overhead milliseconds (the server's step around a round, every width's), expected
+        tokens per row, and tokens per second per row (the round and the overhead)."""
         return {group: {width: {"round_ms": None if bucket.seconds(width) is None else 1e3 * bucket.seconds(width),
+                                "overhead_ms": 1e3 * bucket.overhead(),
                                 "tokens_per_row": self.expected_tokens(width),
                                 "tokens_per_second_per_row": self.throughput(width, *group)}
                         for width in self.widths}
@@ -456,6 +472,8 @@ class _WidthTimes:
         self.reference: deque[float] = deque(maxlen=reference_rounds)
         self.after_switch: deque[float] = deque(maxlen=window)  # see `switch_cost`
         self._switch_cost: float | None = None
+        self.overheads: deque[float] = deque(maxlen=window)  # see `overhead`
+        self._overhead: float | None = None
         self.samples = samples
         self._offsets: dict[int, float | None] = dict.fromkeys(widths)
         self._level: float | None = None  # the reference's median (None: to compute from `reference`)
@@ -492,6 +510,17 @@ class _WidthTimes:
         self.stale.add(width)
         if len(kept) >= self.samples:
             self.retiming.discard(width)
+
+    def add_overhead(self, seconds: float) -> None:
+        """A round's seconds of the server's step around it (`RoundWidthChooser.record`'s `overhead`)."""
+        self.overheads.append(seconds)
+        self._overhead = None
+
+    def overhead(self) -> float:
+        """The median of the last `window` rounds' overheads, every width's (0 before any)."""
+        if self._overhead is None:
+            self._overhead = statistics.median(self.overheads) if self.overheads else 0.0
+        return self._overhead
 
     def switch_cost(self) -> float:
         """How much longer, in log time, the choice's rounds take right after a round of another width: the median

@@ -385,20 +385,20 @@ class DSparkEngine:
         if not admitted and not self.runner.rows:
             return bool(cancelled)
         with decoding_attention(), self.runner.profiler.round() if self.runner.profiler is not None else nullcontext():
-            admitting = self._round(admitted)
-        if admitting is not None:
+            ran = self._round(admitted)
+        if ran:
             entry = self.round_log[-1]
             entry["entered"], entry["finished"] = entered, time.perf_counter()
-            if isinstance(self.runner, StaticRows):
-                # the round's time for its width chooser: this whole step but its admissions (the host's work before
-                # the round and on its tokens, streaming and stop checks included, costs every round alike; the step
-                # before and whatever runs between steps are out)
-                self.runner.finish_round(entry["finished"] - entered - admitting)
+            if isinstance(self.runner, StaticRows):  # the round's time for its width chooser ends with the delivery;
+                # the rest of this step but its admissions is the chooser's overhead (every width's: whatever runs
+                # between steps is out)
+                self.runner.finish_round(entry["delivered"], entry["finished"] - entered - entry["seconds"]
+                                         - (entry["delivered"] - entry["ended"]))
         return True
 
-    def _round(self, admitted: list[Request]) -> float | None:
-        """Admits `admitted` (one prefill), then one draft + verify round for every running request. Returns the
-        seconds admitting took if a round ran (None: every admitted request finished at its first token)."""
+    def _round(self, admitted: list[Request]) -> bool:
+        """Admits `admitted` (one prefill), then one draft + verify round for every running request. Returns whether
+        a round ran (not if every admitted request finished at its first token)."""
         started = time.perf_counter()
         if admitted:
             rows = []
@@ -428,7 +428,7 @@ class DSparkEngine:
             entry["delivered"] = time.perf_counter()  # (streaming and stop checks done)
             self.runner.remove(done)
         self.join_gate.record(len(admitted), admitted_at - started, now - admitted_at)
-        return admitted_at - started if ran else None
+        return ran
 
     def round_profile(self) -> dict[str, float]:
         """Milliseconds per round in each part (`generation.profiling.PARTS`) and in all, over the rounds so far.
