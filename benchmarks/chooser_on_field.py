@@ -77,10 +77,14 @@ class FieldRows:
 
 def serve(field: list[list[int]], lengths: list[int], rows: FieldRows, width: int | None,
           chooser: RoundWidthChooser | None, round_seconds: Callable[[int, float], float],
-          switch_cost: float = 0.0) -> dict:
+          switch_cost: float = 0.0, step_overhead: Callable[[int, float], float] | None = None,
+          overhead: str = "told") -> dict:
     """One run of requests of `lengths` (request i on field row i mod the field's rows): tokens, GPU seconds and
     rounds per width; a fixed `width`, or `chooser`'s choice each round, which takes `round_seconds(width, seconds
-    of the run so far)`, times 1 + `switch_cost` after a round of another width."""
+    of the run so far)`, times 1 + `switch_cost` after a round of another width, and `step_overhead(width, seconds
+    of the run so far)` more for the server's step around it, which the chooser is told (`overhead`): as
+    `RoundWidthChooser.record`'s overhead ("told", as the engine does), in the round's seconds ("folded") or not
+    ("none")."""
     waiting = [(index % len(field), length) for index, length in enumerate(lengths)]
     seconds, widths, planned, unrecorded, drafted_last, last_width = 0.0, Counter(), None, None, False, None
     states_current = True
@@ -101,25 +105,27 @@ def serve(field: list[list[int]], lengths: list[int], rows: FieldRows, width: in
         else:
             verify = width
         took = round_seconds(verify, seconds) * (1.0 + switch_cost if last_width not in (None, verify) else 1.0)
+        around = step_overhead(verify, seconds) if step_overhead is not None else 0.0
         last_width = verify
         if chooser is not None:  # during the round: the one before recorded, the next one's width chosen
             if unrecorded is not None:
-                chooser.record(*unrecorded)
+                chooser.record(*unrecorded[:-1], overhead=unrecorded[-1])
             planned = chooser.choose(count)
             if len(occupied) <= chooser.state_rows:
                 chooser.prepare(count)
         accepted = rows.round(verify)
-        seconds += took
+        seconds += took + around
         widths[verify] += 1
         drafted_last = verify > 0
         if chooser is not None:
-            unrecorded = (verify, took, accepted, count, False, states)
+            told = {"told": (took, around), "folded": (took + around, None), "none": (took, None)}[overhead]
+            unrecorded = (verify, told[0], accepted, count, False, states, told[1])
             states_current = len(occupied) <= chooser.state_rows and verify > 0
             if states_current:
                 for slot, drafts in zip(occupied, accepted):
                     rows.states[slot] = drafts if drafts < verify else FULL + verify
             if not rows.occupied():
-                chooser.record(*unrecorded)
+                chooser.record(*unrecorded[:-1], overhead=unrecorded[-1])
                 planned, unrecorded = None, None
     tokens = sum(lengths)
     return dict(tokens=tokens, gpu_seconds=seconds, tokens_per_second=tokens / seconds,
@@ -131,10 +137,11 @@ def noisy_times(times: dict[int, float], spread: float, rng: random.Random) -> C
     return lambda width, _: times[width] * math.exp(rng.gauss(0.0, spread))
 
 
-def measured_times(machine: MeasuredMachine) -> Callable[[int, float], float]:
+def measured_times(machine: MeasuredMachine, part: str = "seconds") -> Callable[[int, float], float]:
     """Each round the time the GPU gave its width's fixed engine at that point of the same run (a run served here
-    running longer than the GPU's takes the times of its end)."""
-    return lambda width, elapsed: machine.seconds(width, min(elapsed / machine.duration, 1.0))
+    running longer than the GPU's takes the times of its end): the round's seconds, or with `part="overhead"` the
+    engine's step around it."""
+    return lambda width, elapsed: getattr(machine, part)(width, min(elapsed / machine.duration, 1.0))
 
 
 def run_policy(field: list[list[int]], policy: str, concurrency: int, args, seed: int, chooser_options: dict,
@@ -148,12 +155,13 @@ def run_policy(field: list[list[int]], policy: str, concurrency: int, args, seed
     times = {width: ms / 1e3 for width, ms in zip(WIDTHS, args.times)}
     clocks = [measured_times(machine) for machine in machines] if machines else \
         [noisy_times(times, args.spread, rng)] * (args.repeats + 1)
+    around = [measured_times(machine, "overhead") if machines else None for machine in machines or clocks]
     warm_up = argparse.Namespace(**{**vars(args), "max_new_tokens": 8})
     serve(field, request_lengths(request_count(concurrency, warm_up), warm_up), rows, width, chooser, clocks[0],
-          args.switch_cost)
+          args.switch_cost, around[0], args.overhead)
     lengths = request_lengths(request_count(concurrency, args), args)
-    return [serve(field, lengths, rows, width, chooser, clock, args.switch_cost)
-            for clock in clocks[1: args.repeats + 1]]
+    return [serve(field, lengths, rows, width, chooser, clock, args.switch_cost, step_overhead, args.overhead)
+            for clock, step_overhead in zip(clocks[1: args.repeats + 1], around[1:])]
 
 
 def cell(field: list[list[int]], concurrency: int, args, chooser_options: dict,
@@ -194,6 +202,10 @@ def main() -> None:
     parser.add_argument("--round-logs", type=Path,
                         help="a `serving.py --static --round-logs` file: each round takes the time the GPU gave its "
                              "width's fixed engine at that point of the same run (--times and --spread unused)")
+    parser.add_argument("--overhead", choices=["told", "folded", "none"], default="told",
+                        help="with --round-logs of 2026-12-06 on: the engine's step around each round (outside_ms) "
+                             "costs every policy; hardware-aware is told it as RoundWidthChooser.record's overhead "
+                             "(told, as the engine does), in the round's seconds (folded) or not at all (none)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     field = json.loads(args.field.read_text())["accepted"]

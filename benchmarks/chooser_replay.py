@@ -58,7 +58,7 @@ class MeasuredMachine:
     `delivered` until the round's tokens were delivered (what the chooser has timed since bf4e130)."""
 
     def __init__(self, runs: dict[str, list[list]], delivered: bool = False):
-        self.series = {}
+        self.series, self.outside = {}, {}
         for width, name in SOURCE.items():
             log = runs.get(name) or (runs["fixed_3"] if width == 1 else None)
             ended = [entry[0] for entry in log]
@@ -66,15 +66,25 @@ class MeasuredMachine:
             typical = statistics.median(seconds)  # (a stall of about a second hit one engine or another once a call:
             seconds = [typical if value > STALL * typical else value for value in seconds]  # not the width's doing)
             self.series[width] = (ended, seconds)
+            # the engine's step around the round (logs since 2026-12-06; 0 before), its stalls left as they are
+            self.outside[width] = [(entry[11] if len(entry) > 11 and entry[11] is not None else 0.0) / 1e3
+                                   for entry in log]
         self.duration = max(series[0][-1] for series in self.series.values())
 
-    def seconds(self, width: int, fraction: float) -> float:
-        ended, seconds = self.series[width]
+    def _index(self, width: int, fraction: float) -> int:
+        ended = self.series[width][0]
         at = fraction * self.duration
         index = min(bisect.bisect_left(ended, at), len(ended) - 1)
         if index > 0 and at - ended[index - 1] < ended[index] - at:
             index -= 1
-        return seconds[index]
+        return index
+
+    def seconds(self, width: int, fraction: float) -> float:
+        return self.series[width][1][self._index(width, fraction)]
+
+    def overhead(self, width: int, fraction: float) -> float:
+        """The engine's step around that round (before it and after its delivery)."""
+        return self.outside[width][self._index(width, fraction)]
 
 
 def run_machines(runs: dict[str, list[list[list]]], delivered: bool = False) -> list[MeasuredMachine]:

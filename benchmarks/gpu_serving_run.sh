@@ -156,25 +156,29 @@
 #     16 64 (16, 277 s), merged into serving_static_code50m_refine_memo_h100.{json,png,json.gz,log}; then the
 #     engine's sampled CUDA-graph test first among five of tests/test_cuda_graphs.py (270 s: it passed, the second was
 #     cut): cuda_graphs_sampled_narrow_rounds_h100.log.
+# Fortieth session (one H100 a call; the code50m command below, --requests-per-slot 8 at c = 128 64, 32 at c = 4 1):
+#     library 053f703 (widths timed in turn) at c = 64 128 (272 s, fresh): serving_static_code50m_in_turn_h100.*;
+#     9cb870e (round times per rows and requests; the whole step timed) at 64 128 (313 s, fresh):
+#     serving_static_code50m_request_groups_h100.*; 02ec21f (the same, outside_ms logged) at 128 64 (218 s, fresh):
+#     serving_static_code50m_outside_logged_h100.*; 020d75a with hardware_aware_round_timed among the policies at
+#     128 64 (258 s, fresh): serving_static_code50m_round_timed_variant_h100_c128_64.*; 020d75a at 4 1 (252 s, warm):
+#     serving_static_code50m_step_timed_h100_c4_1.*.
 # Next (one call each, carry_sched; move demo_models/, drafters/ and benchmarks/results/ aside first; a device call
 #     returns at most eight files, so write fewer or split):
-#     1. `PYTHONPATH=src python -m pytest -q -p no:hypothesispytest -n 0 tests/test_cuda_graphs.py` (the whole file,
-#        more than 270 s on a fresh machine; its sampled engine test passed with the narrow rounds on 12-06);
-#     2. first, the widths timed in turn before the first choice (e974217, not yet on the GPU): the command below at
-#        c = 64 128 (--requests-per-slot 16), where 12-06 ran plain rounds (0.914 and 0.960 x fixed γ = 3), then
-#        c = 4 1 (64);
-#        the chooser's stickiness (its base choice still settles on γ = 7 at c = 1, 2 and in one run at 4; its
-#        per-round acceptance estimates lean to the width being run, measured on the acceptance field in
-#        docs/serving_measurements.md, and its round times lean to the width in place: a round after another width's
-#        costs 1-2 % more, taken out since 3732903; try fixes with benchmarks/chooser_on_field.py --round-logs ...
-#        first, then on the GPU): a change, then the
-#        command at c = 4 1 (--requests-per-slot 64), 2 (16), then 16 64 and 32 8 (16):
-#        SERVING_TIMEOUT=400 OUT=$OUT bash benchmarks/gpu_serving_run.sh --model code50m --static
+#     1. first, the step's overhead told apart (324918c, not yet on the GPU): the command below at c = 4 1
+#        (--requests-per-slot 32), where the whole-step timing served 0.931 x fixed γ = 3 at c = 4, then at c = 128 64
+#        (8) with hardware_aware_round_timed among the policies (the chooser told no overhead), where plain and γ = 3
+#        are within a few percent and the choice went either way on 12-06;
+#     2. `PYTHONPATH=src python -m pytest -q -p no:hypothesispytest -n 0 tests/test_cuda_graphs.py` (the whole file,
+#        more than 270 s on a fresh machine);
+#     3. the per-row rates leave out a drafting engine's dearer admissions and its rounds' fewer requests
+#        (docs/scheduling.md): a change there, then c = 64 128 again;
+#        SERVING_TIMEOUT=420 OUT=$OUT bash benchmarks/gpu_serving_run.sh --model code50m --static
 #        --graph-sizes-per-cell 1 --max-new-tokens 64 --repeats 3 --no-paged --policies no_spec fixed_1 fixed_3
-#        fixed_7 hardware_aware --requests-per-slot 16 --min-requests 64 --admission-rows 16
-#        --eager-admission-from 100000 --concurrency 16 64 --round-logs $OUT/round_logs.json.gz --out $OUT/cells.json
-#        (--requests-per-slot 64 at c = 4 and 1, 8 at c = 256 and 128);
-#     3. the 4B command at c = 32 and 128 with the narrow rounds;
+#        fixed_7 hardware_aware --requests-per-slot 8 --min-requests 64 --admission-rows 16
+#        --eager-admission-from 100000 --concurrency 128 64 --round-logs $OUT/round_logs.json.gz --out $OUT/cells.json
+#        (then rm -f $OUT/serving_static_h200.* $OUT/serving_h200.* $OUT/serving_trace_code50m.json: eight files);
+#     4. the 4B command at c = 32 and 128 with the narrow rounds;
 #        `round_speed.py --model qwen3-8b-shape --methods plain_static_compiled dspark_static_compiled`.
 #     A fresh machine compiles slowly: give a call of one concurrency at least 200 s.
 set -uo pipefail

@@ -508,3 +508,9 @@ def test_chooser_on_field_serves_fixed_widths_exactly_and_runs_the_chooser_as_th
                                        RoundWidthChooser((0, 1, 3, 7)), clock, switch_cost=0.5)
     changes = switching["gpu_seconds"] - sum(times[w] * n for w, n in switching["rounds"].items())
     assert changes > 0 and changes / 1e-3 == pytest.approx(round(changes / 1e-3 * 2) / 2)  # (halves of 1-4 ms)
+    for overhead, told_ms in (("told", 0.5), ("none", 0.0)):  # (the step around each round: 0.5 ms, every policy's)
+        chooser = RoundWidthChooser((0, 1, 3, 7))
+        around = chooser_on_field.serve(field, lengths * 4, chooser_on_field.FieldRows(field, 2), None, chooser,
+                                        clock, step_overhead=lambda width, _: 5e-4, overhead=overhead)
+        assert around["gpu_seconds"] == pytest.approx(sum((times[w] + 5e-4) * n for w, n in around["rounds"].items()))
+        assert chooser.summary()[2, 2][7]["overhead_ms"] == pytest.approx(told_ms)
