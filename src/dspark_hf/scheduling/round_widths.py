@@ -250,7 +250,7 @@ class RoundWidthChooser:
             return
         self._records_since_prepared = 0
         self._fold_states()
-        overhead = self._buckets[group].overhead() if group in self._buckets else 0.0
+        overhead = self._overhead(group)
         seconds = [self._seconds(width, group) + overhead for width in self.widths]
         self._state_rates = (group, seconds, {state: self._state_rates_of(state, seconds)
                                               for state in (AFTER_PLAIN, *self._state_counts)})
@@ -303,6 +303,10 @@ class RoundWidthChooser:
                     abs(math.log2(max(other_requests, 1) / max(requests, 1))), -other_rows, -other_requests)
         return self._buckets[min(measured, key=distance)].seconds(width)
 
+    def _overhead(self, group: tuple[int, int]) -> float:
+        """The server's step around a round of `group` (`record`'s `overhead`; 0 where none was told)."""
+        return self._buckets[group].overhead() if group in self._buckets else 0.0
+
     def throughput(self, width: int, rows: int = 0, requests: int | None = None) -> float | None:
         """Expected committed tokens per second and row for `width` in rounds of `rows` rows holding `requests`
         requests (None: all; None returned: not measured yet)."""
@@ -310,8 +314,7 @@ class RoundWidthChooser:
         seconds = self._seconds(width, group)
         if seconds is None:
             return None
-        return self.expected_tokens(width) / (seconds + (self._buckets[group].overhead() if group in self._buckets
-                                                         else 0.0))
+        return self.expected_tokens(width) / (seconds + self._overhead(group))
 
     def choose(self, rows: int = 0, requests: int | None = None) -> int:
         """The number of drafts the next round (of `rows` rows, `requests` of them holding a request; None: all)
