@@ -508,7 +508,7 @@ def drive_with_overhead(chooser: RoundWidthChooser, rounds: int, seconds: dict, 
 
 def test_width_chooser_adds_the_steps_overhead_to_every_width_alike():
     """Plain rounds take 1 s, width 3's 2 s and commit 1.875 tokens a row: without the server's step around the rounds
-    (1 s each) plain leads by 7 %, with it width 3 by 25 %. The chooser adds the median overhead of the group's rounds
+    (1 s each) plain leads by 7 %, with it width 3 by 25 %. The chooser adds the mean overhead of the group's rounds
     to every width, so a hiccup (here 3 s) in two of width 3's three measuring rounds does not count against width 3
     alone (timed inside each round's seconds, as for a few hours on 12-06, it chose plain; on an H100 at c = 4 a step
     that freed a finished request's row took 0.12 ms more, against 0.6 ms rounds, in about half the warm-up run's)."""

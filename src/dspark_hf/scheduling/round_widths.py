@@ -11,21 +11,22 @@ where t(v) is v's round time (the engine times a round whole, until its tokens a
 costs every round alike, and leaving it out undervalued the wider widths) plus the overhead of the server's step around
 a round (`record`'s `overhead`: before the round and after the delivery, 0.14-0.23 ms a round on an H100 at c = 64-128
 against rounds of 0.6-1.6 ms; mostly freeing finished requests' rows, 0.12 ms in a round where any finished; every
-width's, so its median over the group's last `window` rounds: at c = 4, where few rounds free rows, a width whose
-measuring rounds did would otherwise look 20 % slower), and S_j the probability that a row accepts its first j drafts,
-estimated from every verified draft of recent rounds (hazards h_j = P(draft j accepted | drafts < j were), each its
-posterior mean on a uniform prior, S_j = h_1 ... h_j). A plain round commits one token per row. The counts of a draft
-slot decay (by `decay`, 0.999: about the last thousand rounds) only in rounds that verify it; a slot beyond the chosen
-width keeps what the other widths' rounds told, and one nobody verified counts as 1/2, not 0 (at c = 1, when unverified
-counts decayed and hazards were taken as accepted / reached, the choice could stick below the best width for good). The
-memory is long on purpose: on real text a few requests' good or bad stretch moves the estimate, and by the time it has
-the requests have changed. With 0.99 and posterior draws in every comparison (the chooser until 2026-12-05), the GPU's
-code50m cells at c = 2-16 split their rounds between γ = 3 and γ = 7 where γ = 3 led by 1.6-2.8 %;
-`benchmarks/chooser_on_text.py` reproduces that on the CPU. A width that looks better replaces the choice only if it
-leads by `switch_margin` in at least `switch_confidence` of `draws` joint draws of the hazards from their Beta
-posteriors (`confidence`): a lead resting on a few lucky rows is not enough. Not corrected yet: the counts are per
-round, and a wider round strides through easy text in fewer rounds, so the rounds of the width being run misestimate the
-others' acceptance by a few percent in its favour (docs/scheduling.md).
+width's, so its mean over the group's last `window` rounds, the expected cost of a round: at c = 4, where few rounds
+free rows, a width whose measuring rounds did would otherwise look 20 % slower, and the median would count it in every
+round at c = 64 or in none at c = 4), and S_j the probability that a row accepts its first j drafts, estimated from
+every verified draft of recent rounds (hazards h_j = P(draft j accepted | drafts < j were), each its posterior mean on a
+uniform prior, S_j = h_1 ... h_j). A plain round commits one token per row. The counts of a draft slot decay (by
+`decay`, 0.999: about the last thousand rounds) only in rounds that verify it; a slot beyond the chosen width keeps what
+the other widths' rounds told, and one nobody verified counts as 1/2, not 0 (at c = 1, when unverified counts decayed
+and hazards were taken as accepted / reached, the choice could stick below the best width for good). The memory is long
+on purpose: on real text a few requests' good or bad stretch moves the estimate, and by the time it has the requests
+have changed. With 0.99 and posterior draws in every comparison (the chooser until 2026-12-05), the GPU's code50m cells
+at c = 2-16 split their rounds between γ = 3 and γ = 7 where γ = 3 led by 1.6-2.8 %; `benchmarks/chooser_on_text.py`
+reproduces that on the CPU. A width that looks better replaces the choice only if it leads by `switch_margin` in at
+least `switch_confidence` of `draws` joint draws of the hazards from their Beta posteriors (`confidence`): a lead
+resting on a few lucky rows is not enough. Not corrected yet: the counts are per round, and a wider round strides
+through easy text in fewer rounds, so the rounds of the width being run misestimate the others' acceptance by a few
+percent in its favour (docs/scheduling.md).
 
 Acceptance also runs in stretches: on code50m's text, a row that accepted all 7 drafts of a round accepted 6 of the next
 round's on average, one that accepted none 0.57 (`chooser_on_text.py`'s fixed γ = 7 rounds at c = 4). So the counts are
@@ -521,9 +522,9 @@ class _WidthTimes:
         self._overhead = None
 
     def overhead(self) -> float:
-        """The median of the last `window` rounds' overheads, every width's (0 before any)."""
+        """The mean of the last `window` rounds' overheads, every width's (0 before any)."""
         if self._overhead is None:
-            self._overhead = statistics.median(self.overheads) if self.overheads else 0.0
+            self._overhead = statistics.fmean(self.overheads) if self.overheads else 0.0
         return self._overhead
 
     def switch_cost(self) -> float:
