@@ -93,7 +93,10 @@ def test_random_arrivals_and_cancellations(models):
     engine = DSparkEngine(target, drafter, max_batch_size=6, max_model_len=64, default_sampling={"temperature": 0})
     rng = random.Random(1234)
     streamed: dict[str, list[int]] = {}
-    on_token = lambda rid, tokens: streamed.setdefault(rid, []).extend(tokens)
+
+    def on_token(rid, tokens):
+        streamed.setdefault(rid, []).extend(tokens)
+
     handles, cancelled_at, refused = [], {}, 0
     pending = 36
     while pending or engine.has_unfinished():
