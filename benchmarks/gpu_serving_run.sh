@@ -165,20 +165,23 @@
 #     serving_static_code50m_step_timed_h100_c4_1.*.
 # Next (one call each, carry_sched; move demo_models/, drafters/ and benchmarks/results/ aside first; a device call
 #     returns at most eight files, so write fewer or split):
-#     1. first, the step's overhead told apart (324918c, not yet on the GPU): the command below at c = 4 1
-#        (--requests-per-slot 32), where the whole-step timing served 0.931 x fixed γ = 3 at c = 4, then at c = 128 64
+#     1. first, the step's overhead told apart (324918c, its mean 9d7f30f; not yet on the GPU): the command below at
+#        c = 4 1 (--requests-per-slot 32), where the whole-step timing served 0.931 x fixed γ = 3 at c = 4, then at 128 64
 #        (8) with hardware_aware_round_timed among the policies (the chooser told no overhead), where plain and γ = 3
 #        are within a few percent and the choice went either way on 12-06;
-#     2. `PYTHONPATH=src python -m pytest -q -p no:hypothesispytest -n 0 tests/test_cuda_graphs.py` (the whole file,
+#     2. freeing a finished request's row costs 0.12 ms a round that frees any (StaticRows.remove: per-row device
+#        writes of rounds.active and the sampling settings; 57-90 % of rounds at c = 64-128): batch them, then the
+#        command below at c = 64 128 before and after (outside_ms in the round logs shows it);
+#     3. `PYTHONPATH=src python -m pytest -q -p no:hypothesispytest -n 0 tests/test_cuda_graphs.py` (the whole file,
 #        more than 270 s on a fresh machine);
-#     3. the per-row rates leave out a drafting engine's dearer admissions and its rounds' fewer requests
+#     4. the per-row rates leave out a drafting engine's dearer admissions and its rounds' fewer requests
 #        (docs/scheduling.md): a change there, then c = 64 128 again;
 #        SERVING_TIMEOUT=420 OUT=$OUT bash benchmarks/gpu_serving_run.sh --model code50m --static
 #        --graph-sizes-per-cell 1 --max-new-tokens 64 --repeats 3 --no-paged --policies no_spec fixed_1 fixed_3
 #        fixed_7 hardware_aware --requests-per-slot 8 --min-requests 64 --admission-rows 16
 #        --eager-admission-from 100000 --concurrency 128 64 --round-logs $OUT/round_logs.json.gz --out $OUT/cells.json
 #        (then rm -f $OUT/serving_static_h200.* $OUT/serving_h200.* $OUT/serving_trace_code50m.json: eight files);
-#     4. the 4B command at c = 32 and 128 with the narrow rounds;
+#     5. the 4B command at c = 32 and 128 with the narrow rounds;
 #        `round_speed.py --model qwen3-8b-shape --methods plain_static_compiled dspark_static_compiled`.
 #     A fresh machine compiles slowly: give a call of one concurrency at least 200 s.
 set -uo pipefail
