@@ -155,7 +155,7 @@ def run_policy(field: list[list[int]], policy: str, concurrency: int, args, seed
     times = {width: ms / 1e3 for width, ms in zip(WIDTHS, args.times)}
     clocks = [measured_times(machine) for machine in machines] if machines else \
         [noisy_times(times, args.spread, rng)] * (args.repeats + 1)
-    around = [measured_times(machine, "overhead") if machines else None for machine in machines or clocks]
+    around = [measured_times(machine, "overhead") for machine in machines] if machines else [None] * len(clocks)
     warm_up = argparse.Namespace(**{**vars(args), "max_new_tokens": 8})
     serve(field, request_lengths(request_count(concurrency, warm_up), warm_up), rows, width, chooser, clocks[0],
           args.switch_cost, around[0], args.overhead)

@@ -571,8 +571,7 @@ def compact_round_log(log: list[dict], origin: float) -> list[list]:
     return [[round(1e3 * (e["ended"] - origin), 3), e["batch"], e["admitted"], max(e["verify"], default=0),
              sum(e["accepted"]), round(1e3 * e["admit_seconds"], 4), round(1e3 * e["step_seconds"], 4), e["upkeep"],
              round(1e3 * (e["delivered"] - e["ended"]), 4), *compact_choice(e.get("choice")),
-             round(1e3 * (e["finished"] - e["entered"] - e["seconds"] - (e["delivered"] - e["ended"])), 4)
-             if "finished" in e else None] for e in log]
+             round(1e3 * e["outside"], 4) if "outside" in e else None] for e in log]
 
 
 def compact_choice(choice: tuple | None) -> list:

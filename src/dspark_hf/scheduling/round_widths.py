@@ -252,8 +252,7 @@ class RoundWidthChooser:
             return
         self._records_since_prepared = 0
         self._fold_states()
-        overhead = self._overhead(group)
-        seconds = [self._seconds(width, group) + overhead for width in self.widths]
+        seconds = [self._cost(width, group) for width in self.widths]
         self._state_rates = (group, seconds, {state: self._state_rates_of(state, seconds)
                                               for state in (AFTER_PLAIN, *self._state_counts)})
 
@@ -305,18 +304,19 @@ class RoundWidthChooser:
                     abs(math.log2(max(other_requests, 1) / max(requests, 1))), -other_rows, -other_requests)
         return self._buckets[min(measured, key=distance)].seconds(width)
 
-    def _overhead(self, group: tuple[int, int]) -> float:
-        """The server's step around a round of `group` (`record`'s `overhead`; 0 where none was told)."""
-        return self._buckets[group].overhead() if group in self._buckets else 0.0
+    def _cost(self, width: int, group: tuple[int, int]) -> float | None:
+        """`width`'s seconds a round in `group`: its round time (`_seconds`) and the server's step around a round
+        (`record`'s `overhead`, every width's; 0 where none was told). None: not measured yet."""
+        seconds = self._seconds(width, group)
+        if seconds is None:
+            return None
+        return seconds + (self._buckets[group].overhead() if group in self._buckets else 0.0)
 
     def throughput(self, width: int, rows: int = 0, requests: int | None = None) -> float | None:
         """Expected committed tokens per second and row for `width` in rounds of `rows` rows holding `requests`
         requests (None: all; None returned: not measured yet)."""
-        group = self.group(rows, requests)
-        seconds = self._seconds(width, group)
-        if seconds is None:
-            return None
-        return self.expected_tokens(width) / (seconds + self._overhead(group))
+        cost = self._cost(width, self.group(rows, requests))
+        return None if cost is None else self.expected_tokens(width) / cost
 
     def choose(self, rows: int = 0, requests: int | None = None) -> int:
         """The number of drafts the next round (of `rows` rows, `requests` of them holding a request; None: all)
@@ -451,9 +451,9 @@ class RoundWidthChooser:
         bucket = self._buckets[group]
         if bucket.best is None:
             return True
-        chosen, overhead = self._seconds(bucket.best, group), bucket.overhead()
-        return chosen is None or (self.expected_tokens(width) / (seconds + overhead)
-                                  >= self.expected_tokens(bucket.best) / (chosen + overhead))
+        chosen = self._cost(bucket.best, group)
+        return chosen is None or (self.expected_tokens(width) / (seconds + bucket.overhead())
+                                  >= self.expected_tokens(bucket.best) / chosen)
 
     def summary(self) -> dict[tuple[int, int], dict[int, dict[str, float | None]]]:
         """Per group of rounds (`group`: rows, and requests up to a power of two), per width: current round

@@ -257,8 +257,8 @@ class DSparkEngine:
         # round), ended (time.perf_counter() at the round's end), upkeep (static engines: the drafter-context upkeep
         # the round ran first, "flush" or "forget"; else None), choice (static engines with a chooser: why its width
         # was chosen and the rates then compared, `StaticRows.choice`; else None), delivered (time.perf_counter() once
-        # its tokens are streamed and checked for stops), entered and finished (time.perf_counter() when the step began
-        # and ended); the last ROUND_LOG_ROUNDS rounds (a server runs hundreds of rounds a second)
+        # its tokens are streamed and checked for stops), outside (the step's seconds before the round and after the
+        # delivery, admissions left out); the last ROUND_LOG_ROUNDS rounds (a server runs hundreds of rounds a second)
         self.round_log: deque[dict] = deque(maxlen=ROUND_LOG_ROUNDS)
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -386,14 +386,12 @@ class DSparkEngine:
             return bool(cancelled)
         with decoding_attention(), self.runner.profiler.round() if self.runner.profiler is not None else nullcontext():
             ran = self._round(admitted)
-        if ran:
+        if ran:  # the rest of this step: all of it but the admissions, the round and the delivery
             entry = self.round_log[-1]
-            entry["entered"], entry["finished"] = entered, time.perf_counter()
+            entry["outside"] = time.perf_counter() - entered - entry["seconds"] - (entry["delivered"] - entry["ended"])
             if isinstance(self.runner, StaticRows):  # the round's time for its width chooser ends with the delivery;
-                # the rest of this step but its admissions is the chooser's overhead (every width's: whatever runs
-                # between steps is out)
-                self.runner.finish_round(entry["delivered"], entry["finished"] - entered - entry["seconds"]
-                                         - (entry["delivered"] - entry["ended"]))
+                # the rest is its overhead (every width's: whatever runs between steps is out)
+                self.runner.finish_round(entry["delivered"], entry["outside"])
         return True
 
     def _round(self, admitted: list[Request]) -> bool:
