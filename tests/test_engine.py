@@ -1081,6 +1081,31 @@ def test_static_engine_sampling_matches_target_distribution(monkeypatch):
     assert {entry["verify"][0] for entry in engine.round_log} == {0, 1, 3}
 
 
+def test_static_engine_writes_rows_sampling_settings_only_where_they_change(models):
+    """Greedy requests leave the rows' device sampling settings as they were; a sampled request's row keeps its
+    settings after the request finished (freeing a row writes none) until a greedy request takes the row: temperature
+    1, no top-k / top-p. Outputs stay plain greedy decoding's."""
+    target, drafter = models
+    engine = DSparkEngine(target, drafter, max_batch_size=2, max_model_len=48, static=True, policy="fixed", seed=3)
+    runner, prompt = engine.runner, [5, 6, 7]
+
+    def serve_greedy() -> None:
+        handles = [engine.add_request(prompt, max_tokens=6, temperature=0) for _ in range(2)]
+        engine.run()
+        assert [handle.tokens for handle in handles] == [solo(target, prompt, 6)] * 2
+
+    runner.temperature.fill_(0.5)  # no greedy row's setting: greedy requests run with it and leave it
+    serve_greedy()
+    assert runner.temperature.tolist() == [0.5, 0.5]
+    engine.add_request(prompt, max_tokens=4, temperature=0.7, top_k=5, top_p=0.9)
+    engine.run()
+    assert runner.temperature.tolist() == pytest.approx([0.7, 0.5]) and runner.top_k.tolist() == [5, 0]
+    assert runner.top_p.tolist() == pytest.approx([0.9, 1.0]) and runner.sampled == [False, False]
+    serve_greedy()
+    assert runner.temperature.tolist() == [1.0, 0.5] and runner.top_k.tolist() == [0, 0]
+    assert runner.top_p.tolist() == [1.0, 1.0]
+
+
 def test_static_engine_prefills_a_group_eagerly_only_when_its_chunks_would_take_eight_passes(models, monkeypatch):
     """Requests of similar lengths joining together go through the admission chunks `static_admission_rows` at a
     time, or, from 8 × that many on (eight passes), in one eager forward; the outputs stay plain greedy decoding's."""

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..tensor_ops import argmax_last
+from ..tensor_ops import argmax_last, to_device
 from .static_batch import StaticBatchRounds, write_rows
 
 
@@ -122,7 +122,7 @@ class ChunkedAdmission:
         if count != input_ids.shape[0]:
             raise ValueError(f"{count} slots for {input_ids.shape[0]} prompts.")
         width = self.prefill(input_ids, attention_mask, prompt_context)
-        index = torch.tensor(slots, device=rounds.anchor.device)
+        index = to_device(slots, rounds.anchor.device, torch.long)
         write_rows(rounds.target_cache, scratch.target_cache, index, width)
         if rounds.drafter is not None and prompt_context:
             write_rows(rounds.drafter_cache, scratch.drafter_cache, index, width)

@@ -48,7 +48,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..models import DSparkDraftModel, TargetLayerTap
 from ..models.modeling import greedy_selector
-from ..tensor_ops import argmax_last
+from ..tensor_ops import argmax_last, to_device
 from ..verify import verify
 from ..verify.reference import processed_scores
 from .batched import BatchedDSparkStats, append_rows, padding_token
@@ -381,7 +381,7 @@ class StaticBatchRounds:
         if not self.target_cache.layers[0].is_initialized:
             raise RuntimeError("admit() refills rows of a running batch: call prefill() first.")
         device = self.target.device
-        index = torch.tensor(slots, dtype=torch.long, device=device)
+        index = to_device(slots, device, torch.long)
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         pad = (attention_mask == 0).sum(dim=1)
         positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)

@@ -27,7 +27,7 @@ from transformers import PreTrainedModel
 from ..models import DSparkDraftModel
 from ..scheduling import RoundWidthChooser
 from ..scheduling.round_widths import AFTER_PLAIN, FULL
-from ..tensor_ops import argmax_last
+from ..tensor_ops import argmax_last, to_device
 from ..verify import verify as verify_drafts
 from .cuda_graphs import WARMUP_CALLS as GRAPH_WARMUP_CALLS
 from .profiling import RoundProfiler
@@ -121,6 +121,7 @@ class StaticRows:
         self.temperature = torch.ones(max_batch_size, device=device)
         self.top_k = torch.zeros(max_batch_size, dtype=torch.long, device=device)
         self.top_p = torch.ones(max_batch_size, device=device)
+        self._rows_set_to_sample: set[int] = set()  # rows whose device settings above are a sampled request's
         self.vocab_size = target.config.get_text_config().vocab_size
         self.started = False
         self.drafted_last_round = drafter is not None
@@ -311,23 +312,29 @@ class StaticRows:
         return lambda logits: self.sampler.first_tokens(rows, logits)
 
     def _set_sampling(self, slots: list[int], rows: list[Row] | None) -> None:
-        """Rows `slots` take `rows`' sampling settings (None: greedy, for freed rows)."""
+        """Rows `slots` take `rows`' sampling settings (None: freed rows, whose device settings stay until the row is
+        taken again). The device's per-row temperature / top-k / top-p are written only where they change: for a
+        sampled request, or for a greedy one (temperature 1, no top-k / top-p: its argmax under noise of ones) in a
+        row that last held a sampled request. Greedy serving writes none."""
         if self.sampler is None:
             return
-        index = torch.tensor(slots, dtype=torch.long, device=self.temperature.device)
         if rows is None:
-            sample, temperature, top_k, top_p = [False] * len(slots), 1.0, 0, 1.0
-            filtered = sample
-        else:
-            sample, temperature, top_k, top_p = self.sampler.params(rows, self.temperature.device)
-            filtered = (sample & ((top_k > 0) | (top_p < 1.0))).tolist()
-            sample = sample.tolist()
-        self.temperature[index], self.top_k[index], self.top_p[index] = temperature, top_k, top_p
-        for slot, sampled, filters in zip(slots, sample, filtered):
-            self.sampled[slot], self.filtered[slot] = sampled, filters
+            for slot in slots:
+                self.sampled[slot] = self.filtered[slot] = False
+            return
+        sample, temperature, top_k, top_p = self.sampler.settings(rows)
+        changed = [i for i, slot in enumerate(slots) if sample[i] or slot in self._rows_set_to_sample]
+        for slot, sampled, k, p in zip(slots, sample, top_k, top_p):
+            self.sampled[slot], self.filtered[slot] = sampled, sampled and (k > 0 or p < 1.0)
+            (self._rows_set_to_sample.add if sampled else self._rows_set_to_sample.discard)(slot)
+        if changed:
+            device = self.temperature.device
+            index = to_device([slots[i] for i in changed], device, torch.long)
+            for values, settings in ((temperature, self.temperature), (top_k, self.top_k), (top_p, self.top_p)):
+                settings[index] = to_device([values[i] for i in changed], device, settings.dtype)
 
     def remove(self, rows: list[Row]) -> None:
-        """Frees the rows of finished or cancelled requests."""
+        """Frees the rows of finished or cancelled requests (one device write for all of them)."""
         if not rows:
             return
         gone = {id(row) for row in rows}
@@ -335,8 +342,8 @@ class StaticRows:
         for index in freed:
             self.owner[index] = None
             self.pending[index] = 0
-            self.rounds.active[index] = 0
         if freed:
+            self.rounds.active.index_fill_(0, to_device(freed, self.rounds.active.device, torch.long), 0)
             self._owners_changed()
             self._set_sampling(freed, None)
         if not self.occupied:  # no next round to use a choice made before it (the last round is recorded during the
@@ -459,8 +466,7 @@ class StaticRows:
         device, batch, vocab = self.temperature.device, rounds.pad.shape[0], self.vocab_size
         shape = (batch, vocab) if verify == 0 else (batch, verify, vocab)  # (a round drafts only what it verifies)
         noise = torch.ones(shape, device=device)
-        rows = torch.tensor([slot for slot, sampled in enumerate(self.sampled[:batch]) if sampled], dtype=torch.long,
-                            device=device)
+        rows = to_device([slot for slot, sampled in enumerate(self.sampled[:batch]) if sampled], device, torch.long)
         noise[rows] = exponential_noise((len(rows), *shape[1:]), generator, device)
         filters = (self.top_k[:batch], self.top_p[:batch]) if filtered else (None, None)
         settings = (self.temperature[:batch], *filters)
@@ -471,7 +477,7 @@ class StaticRows:
         seeds = torch.randint(-(2**62), 2**62, (batch,), generator=generator, device=device)
         result = verify_drafts(drafts.reshape(-1), torch.full((batch,), verify, device=device),
                                logits.reshape(-1, vocab), probs.reshape(-1, vocab),
-                               do_sample=torch.tensor(self.sampled[:batch], device=device),
+                               do_sample=to_device(self.sampled[:batch], device),
                                temperature=settings[0], top_k=filters[0], top_p=filters[1], seeds=seeds,
                                max_draft_len=verify)
         rounds.advance(result.num_accepted, result.output_tokens, features)

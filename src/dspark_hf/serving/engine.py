@@ -38,6 +38,7 @@ from ..generation.static_rows import StaticRows
 from ..generation.target_features import check_drafter_fits_target
 from ..models import DSparkDraftModel
 from ..scheduling import RoundWidthChooser, SchedulerPolicy, SpeculationGuard, SPSTable, get_policy
+from ..tensor_ops import to_device
 from ..verify import VerifyResult, verify
 from ..verify.reference import processed_scores
 from .admission import FreeRowsGate, JoinGate
@@ -51,26 +52,36 @@ class RequestSampler:
         self.generator = generator
 
     @staticmethod
-    def params(rows: list[Row], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per row: (sampled?, temperature (1 for greedy rows), top-k (0: off), top-p)."""
+    def settings(rows: list[Row]) -> tuple[list[bool], list[float], list[int], list[float]]:
+        """Per row, on the host: (sampled?, temperature, top-k (0: off), top-p); greedy rows: (False, 1.0, 0, 1.0)."""
         params = [row.tag.params for row in rows]
-        sample = torch.tensor([not p.greedy for p in params], device=device)
-        temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
-        top_k = torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.long, device=device)
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
-        return sample, temperature, top_k, top_p
+        sample = [not p.greedy for p in params]
+        return (sample, [p.temperature if s else 1.0 for p, s in zip(params, sample)],
+                [max(p.top_k, 0) if s else 0 for p, s in zip(params, sample)],
+                [float(p.top_p) if s else 1.0 for p, s in zip(params, sample)])
+
+    @classmethod
+    def params(cls, rows: list[Row], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`settings` as tensors on `device`."""
+        sample, temperature, top_k, top_p = cls.settings(rows)
+        return (to_device(sample, device), to_device(temperature, device, torch.float32),
+                to_device(top_k, device, torch.long), to_device(top_p, device, torch.float32))
+
+    @staticmethod
+    def _all_greedy(rows: list[Row]) -> bool:
+        return all(row.tag.params.greedy for row in rows)
 
     def _choose(self, rows, logits):
-        sample, temperature, top_k, top_p = self.params(rows, logits.device)
         tokens = logits.argmax(dim=-1)
-        processed = logits
-        if bool(sample.any()):
-            processed = logits.clone()
-            index = sample.nonzero().squeeze(1)
-            filtered = processed_scores(logits[index], temperature[index], top_k[index], top_p[index])
-            processed[index] = filtered
-            drawn = torch.multinomial(filtered.softmax(dim=-1), 1, generator=self.generator).squeeze(1)
-            tokens[index] = drawn
+        if self._all_greedy(rows):
+            return tokens, logits
+        sample, temperature, top_k, top_p = self.params(rows, logits.device)
+        processed = logits.clone()
+        index = sample.nonzero().squeeze(1)
+        filtered = processed_scores(logits[index], temperature[index], top_k[index], top_p[index])
+        processed[index] = filtered
+        drawn = torch.multinomial(filtered.softmax(dim=-1), 1, generator=self.generator).squeeze(1)
+        tokens[index] = drawn
         return tokens, processed
 
     def select(self, rows, drafted, logits):
@@ -81,10 +92,10 @@ class RequestSampler:
 
     def verify(self, rows, drafts, lengths, target_logits, draft_logits) -> VerifyResult:
         device = target_logits.device
-        sample, temperature, top_k, top_p = self.params(rows, device)
         flat_drafts, flat_logits = ragged_drafts(drafts, lengths), ragged_rows(target_logits, lengths)
-        if not bool(sample.any()):  # all greedy: no processing, no noise (the torch path skips its sort and RNG)
+        if self._all_greedy(rows):  # no processing, no noise (the torch path skips its sort and RNG)
             return verify(flat_drafts, lengths.to(device), flat_logits, None, do_sample=False)
+        sample, temperature, top_k, top_p = self.params(rows, device)
         probs = (ragged_drafts(draft_logits, lengths).softmax(dim=-1) if draft_logits is not None
                  else target_logits.new_zeros(0, target_logits.shape[-1]))
         seeds = torch.randint(-(2**62), 2**62, (len(rows),), generator=self.generator, device=self.generator.device)
