@@ -9,7 +9,8 @@ round, synchronizes, then times `remove` of k rows (k in `--freed`) on the host,
 after a round's tokens came back (the device idle); then the device work it queued, and the next admission's
 `_set_sampling` for k greedy or k sampled requests. Reported: the median and 10th / 90th percentiles over `--trials`
 trials, in µs. `sync_probe`: the host time of `torch.tensor(values, device=...)` and of `to_device` with ~50 ms of
-device work queued before them (whether each waits for it).
+device work queued before them (whether each waits for it). `primitives`: the host time of the device writes a row's
+freeing may use, with the device idle.
 """
 
 from __future__ import annotations
@@ -106,6 +107,40 @@ def sync_probe(device: torch.device, trials: int) -> dict | None:
     return result
 
 
+def primitives(device: torch.device, trials: int) -> dict | None:
+    """Host time, the device idle, of the writes `remove` may use on a 64-row buffer (one row or four)."""
+    if device.type != "cuda":
+        return None
+    try:
+        from dspark_hf.tensor_ops import to_device
+    except ImportError:
+        return None
+    active = torch.ones(64, dtype=torch.long, device=device)
+    one, four = to_device([5], device, torch.long), to_device([5, 9, 17, 40], device, torch.long)
+    probes = {
+        "to_device 1 value": lambda: to_device([5], device, torch.long),
+        "to_device 4 values": lambda: to_device([5, 9, 17, 40], device, torch.long),
+        "torch.tensor(device=...) 1 value": lambda: torch.tensor([5], device=device),
+        "active[5] = 0": lambda: active.__setitem__(5, 0),
+        "active[5:6].fill_(0)": lambda: active[5:6].fill_(0),
+        "index_fill_ (1 row, index on the device)": lambda: active.index_fill_(0, one, 0),
+        "index_fill_ (4 rows, index on the device)": lambda: active.index_fill_(0, four, 0),
+        "active[index] = 0 (4 rows, index on the device)": lambda: active.__setitem__(four, 0),
+        "to_device + index_fill_ (1 row)": lambda: active.index_fill_(0, to_device([5], device, torch.long), 0),
+    }
+    result = {}
+    for name, probe in probes.items():
+        times = []
+        for _ in range(trials):
+            _sync(device)
+            start = time.perf_counter()
+            probe()
+            times.append(time.perf_counter() - start)
+        result[name] = _spread(times)
+    _sync(device)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -119,8 +154,9 @@ def main() -> None:
     report = {"label": args.label, "device": str(device), "rows": args.rows, "trials": args.trials,
               "command": " ".join(["python benchmarks/row_freeing.py", *sys.argv[1:]]),
               "environment": environment(), "upkeep": time_upkeep(device, args.rows, args.freed, args.trials),
-              "sync_probe": sync_probe(device, 20)}
+              "sync_probe": sync_probe(device, 20), "primitives": primitives(device, 200)}
     print(json.dumps(report["sync_probe"]))
+    print(json.dumps(report["primitives"], indent=1))
     if args.out:
         with open(args.out, "w") as file:
             json.dump(report, file, indent=1)
