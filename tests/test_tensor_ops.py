@@ -26,7 +26,8 @@ def test_compiled_split_argmax_equals_argmax(vocab):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device"))])
 def test_to_device_gives_torch_tensors_result_without_waiting_for_the_device(device):
-    for values, dtype in (([3, 0, 7], torch.long), ([0.5, 1.0], torch.float32), ([True, False], None), ([], torch.long)):
+    cases = (([3, 0, 7], torch.long), ([0.5, 1.0], torch.float32), ([True, False], None), ([], torch.long))
+    for values, dtype in cases:
         expected = torch.tensor(values, dtype=dtype)
         if device == "cuda":  # queued behind ~0.2 s of device work: returns before it, holds the values after it
             torch.cuda.synchronize()
