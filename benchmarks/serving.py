@@ -110,9 +110,11 @@ TRACE = RESULTS / "serving_trace_code50m.json"
 # the hardware-aware policy's SPS table is profiled at these sizes (real models)
 SPS_PROFILE = dict(batch_tokens=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048), context_length=256, repeats=5)
 SHARED_ENGINE = "drafting"  # --shared-graphs: the engine every drafting policy runs on
-# --static, only when named in --policies: the hardware-aware engine with its chooser told no overhead (the server's
-# step around a round), as before 2026-12-06, beside the current one
+# --static, only when named in --policies: hardware-aware engines beside the current one, their chooser told no
+# overhead (the server's step around a round; as before 2026-12-06), or estimating every width's tokens per round from
+# the hazards alone (`RoundWidthChooser(strides=False)`; as before 2026-12-06)
 ROUND_TIMED = "hardware_aware_round_timed"
+HAZARDS_ONLY = "hardware_aware_hazards_only"
 GUARD = SpeculationGuard()  # the hardware-aware engines' guard: one for the whole run, like a long-running server
 
 
@@ -122,7 +124,7 @@ def policies(threshold: float, gamma_max: int) -> dict[str, dict]:
         if gamma <= gamma_max:
             table[f"fixed_{gamma}"] = dict(policy="fixed", gamma=gamma)
     table["static_threshold"] = dict(policy="static_threshold", threshold=threshold)
-    table["hardware_aware"] = table[ROUND_TIMED] = dict(policy="hardware_aware")
+    table["hardware_aware"] = table[ROUND_TIMED] = table[HAZARDS_ONLY] = dict(policy="hardware_aware")
     return table
 
 
@@ -131,6 +133,14 @@ def time_rounds_only(engine: DSparkEngine) -> None:
     (the step's host work before the round and after the delivery)."""
     finish = engine.runner.finish_round
     engine.runner.finish_round = lambda delivered, overhead=None: finish(delivered)
+
+
+def hazards_only(engine: DSparkEngine) -> None:
+    """`HAZARDS_ONLY`: the engine's chooser estimates every width's tokens per round from the hazards alone."""
+    engine.runner.chooser.strides = False
+
+
+VARIANTS = {ROUND_TIMED: time_rounds_only, HAZARDS_ONLY: hazards_only}
 
 
 # ---------------------------------------------------------------------------------------------------- models
@@ -614,8 +624,8 @@ def run_static_cells(target, drafter, prompts, concurrency: int, names: list[str
             static_admission_rows=args.admission_rows)
         if args.eager_admission_from is not None:
             engine.runner.eager_admission_from = args.eager_admission_from
-        if key == ROUND_TIMED:
-            time_rounds_only(engine)
+        if key in VARIANTS:
+            VARIANTS[key](engine)
         if trace is not None and policy != "no_spec":  # (before the graphs are captured: they read its buffer)
             patches[key] = StaticTraceReplayer(trace, engine, seed=concurrency)
         chooser = engine.runner.chooser
@@ -930,7 +940,7 @@ def main() -> None:
 
     chosen = {name: setting for name, setting in policies(args.threshold, gamma_max).items()
               if (not args.policies or name in args.policies) and not (args.static and name == "static_threshold")
-              and (name != ROUND_TIMED or args.static and args.policies)}
+              and (name not in VARIANTS or args.static and args.policies)}
     with torch.inference_mode():
         # concurrency outside, policies inside: the policies compared at one concurrency run minutes apart at most
         for concurrency in args.concurrency:

@@ -214,11 +214,68 @@ def test_width_chooser_follows_a_change_of_acceptance():
     """The text gets hard and stays so: the acceptance estimate (decay 0.999: about the last thousand rounds) moves
     to plain rounds within about a thousand rounds, and not within the first hundred."""
     seconds = {0: 1.0, 1: 1.2, 3: 1.5, 7: 2.0}
-    chooser = RoundWidthChooser(tuple(seconds), refresh_every=20, max_refresh_every=160)
+    chooser = RoundWidthChooser(tuple(seconds), refresh_every=20, max_refresh_every=160,
+                                strides=False)  # (each round's acceptance is drawn apart from the round before)
     assert drive_widths(chooser, 300, seconds, [0.9] * 7)[-50:].count(7) >= 48
     hard = drive_widths(chooser, 1500, seconds, [0.1] * 7, seed=1)  # the text got hard: plain rounds win
     assert hard[:100].count(0) < 10  # (a few requests' bad stretch does not move it)
     assert hard[-50:].count(0) >= 45  # (the change of choice restarted the others' refreshes at 20 rounds)
+
+
+def stretchy_text(rng: random.Random, length: int = 200_000) -> list[int]:
+    """Per position of a text, the drafts a round anchored there accepts: easy stretches of 10-40 tokens accept every
+    draft up to the stretch's end, hard ones of 2-12 none."""
+    accepted = []
+    while len(accepted) < length:
+        easy = rng.randint(10, 40)
+        accepted += [easy - 1 - position for position in range(easy)] + [0] * rng.randint(2, 12)
+    return accepted
+
+
+def walk_tokens_per_round(text: list[int], width: int) -> float:
+    """Tokens per round of a row that runs every round at `width` drafts along `text`."""
+    position = rounds = 0
+    while position < len(text) - 1:
+        position += min(text[position], width) + 1
+        rounds += 1
+    return position / rounds
+
+
+def test_width_chooser_reads_narrower_widths_from_the_strides_of_the_rounds_it_runs():
+    """Acceptance runs in stretches: 4 rows walk a text of easy and hard stretches, a round accepting what the text
+    at its row's position allows. Width 3 serves 6 % more than width 7 per second. Counted per round, width 7's rounds
+    put width 3 at 1.94 tokens a round where its own rounds commit 2.36 (a wider round strides through the easy text
+    in fewer rounds), and the hazards-only chooser stays on width 7 (0.94 x width 3's rate); taken from the strides of
+    width 7's rounds, width 1 and 3 are within 2 % of their own rounds' tokens, and the chooser runs width 3 after its
+    first rounds (each of 3 seeds)."""
+    text = stretchy_text(random.Random(0))
+    tokens = {width: walk_tokens_per_round(text, width) for width in (0, 1, 3, 7)}
+    seconds = {0: 1.0, 1: 1.35, 3: 1.45}
+    seconds[7] = seconds[3] * tokens[7] / tokens[3] * 1.06
+
+    def serve(chooser: RoundWidthChooser, seed: int) -> tuple[list[int], float]:
+        rng, positions, chosen, committed, elapsed = random.Random(seed), [i * 50_000 for i in range(4)], [], 0, 0.0
+        for _ in range(3000):
+            width = chooser.choose(4)
+            accepted = [min(text[position], width) for position in positions]
+            positions = [position + count + 1 for position, count in zip(positions, accepted)]
+            round_seconds = seconds[width] * rng.lognormvariate(0, 0.02)
+            chooser.record(width, round_seconds, accepted, 4)
+            chosen.append(width)
+            committed, elapsed = committed + sum(accepted) + len(accepted), elapsed + round_seconds
+        return chosen, committed / elapsed / 4
+
+    best = tokens[3] / seconds[3]
+    for seed in range(3):
+        hazards = RoundWidthChooser(tuple(seconds), seed=seed, strides=False)
+        chosen, rate = serve(hazards, seed)
+        assert chosen[500:].count(7) > 0.99 * 2500 and rate < 0.95 * best
+        assert hazards.expected_tokens(3) < 0.85 * tokens[3]
+        strides = RoundWidthChooser(tuple(seconds), seed=seed)
+        chosen, rate = serve(strides, seed)
+        assert chosen[500:].count(3) > 0.99 * 2500 and rate > 0.99 * best
+        for width in (1, 3):
+            assert strides.expected_tokens(width) == pytest.approx(tokens[width], rel=0.02)
 
 
 def drive_with_a_slow_start(chooser: RoundWidthChooser, rounds: int, seconds: dict, slow: float,
@@ -288,12 +345,13 @@ def test_width_chooser_compares_widths_with_the_choice_timed_around_them():
     """The machine slows by a fifth over 700 rounds (every width alike). Width 7 is the best by about 9 %; widths
     0, 1 and 3 are refreshed now and then. Their kept times are relative to the choice's rounds around them, so the
     drift does not make them look faster than width 7, whose own times are recent: after the first 100 rounds, at
-    most 3 % of the rounds run another width (each seed of 6), as without drift."""
+    most 3 % of the rounds run another width (each seed of 6), as without drift. (Each round's acceptance is drawn
+    apart from the round before, so the chooser takes the hazards alone: `strides=False`.)"""
     hazards = [0.45, 0.47, 0.47, 0.68, 0.68, 0.68, 0.68]
     seconds = {0: 1.5, 1: 2.1, 3: 2.16, 7: 2.17}
     for drift in (0.0, 0.2):
         for seed in range(6):
-            rng, chooser, others = random.Random(seed), RoundWidthChooser(tuple(seconds)), 0
+            rng, chooser, others = random.Random(seed), RoundWidthChooser(tuple(seconds), strides=False), 0
             for index in range(700):
                 width = chooser.choose(64)
                 accepted = [sum(1 for _ in itertools.takewhile(lambda j: rng.random() < hazards[j], range(width)))

@@ -127,7 +127,7 @@ def test_static_cells_run_every_policy_on_its_engine(models, graph_sizes_per_cel
         if name == "hardware_aware":  # (why the chooser chose each round's width, and the rates it compared)
             reasons = [entry[9] for run in logs[name] for entry in run]  # (it measured each width in the warm-up run)
             assert "measure" in reasons
-            assert set(reasons) <= {"settled", "measure", "confirm", "switch", "keep", "refresh"}
+            assert set(reasons) <= {"settled", "measure", "confirm", "switch", "keep", "refresh", "state"}
             compared = [entry for entry in rates if entry is not None]
             assert compared and all(set(entry) == {"0", "1", "3", "7"} for entry in compared)
         else:

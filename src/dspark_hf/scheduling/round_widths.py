@@ -24,9 +24,13 @@ have changed. With 0.99 and posterior draws in every comparison (the chooser unt
 at c = 2-16 split their rounds between γ = 3 and γ = 7 where γ = 3 led by 1.6-2.8 %; `benchmarks/chooser_on_text.py`
 reproduces that on the CPU. A width that looks better replaces the choice only if it leads by `switch_margin` in at
 least `switch_confidence` of `draws` joint draws of the hazards from their Beta posteriors (`confidence`): a lead
-resting on a few lucky rows is not enough. Not corrected yet: the counts are per round, and a wider round strides
-through easy text in fewer rounds, so the rounds of the width being run misestimate the others' acceptance by a few
-percent in its favour (docs/scheduling.md).
+resting on a few lucky rows is not enough. The counts are per round, and a wider round strides through easy text in
+fewer rounds: γ = 7's rounds put γ = 3's tokens per round 4 % low on code50m's text, and with γ = 3 chosen, γ = 7's
+refresh rounds (which start where γ = 3's rounds did) put γ = 7's about 2 % high, so the chooser leaned to γ = 7 from
+either side (on an H100 at c = 4 it estimated 1.765 and 1.936 tokens a round where fixed γ = 3 and 7 committed 1.82
+and 1.91, ran γ = 7 and served 0.96 x fixed γ = 3). So a width at most as wide as a chosen one takes its tokens per
+round from the strides of the choice's rounds (`_stride_tokens`: a row that committed T tokens in one round covered the
+text of ceil(T / (v + 1)) rounds of v drafts); wider widths still take the hazards (their upward lean remains).
 
 Acceptance also runs in stretches: on code50m's text, a row that accepted all 7 drafts of a round accepted 6 of the next
 round's on average, one that accepted none 0.57 (`chooser_on_text.py`'s fixed γ = 7 rounds at c = 4). So the counts are
@@ -100,6 +104,7 @@ AFTER_PLAIN = -1
 FULL = 16
 # the reasons of `RoundWidthChooser.choose` whose width `refine` may change (the others measure, confirm or refresh one)
 REFINED = ("settled", "keep", "switch")
+STRIDE_ROWS = 32.0  # the (decayed) rows a width's rounds must have counted before `_stride_tokens` reads them
 
 
 def acceptance_state(width: int, accepted: int) -> int:
@@ -138,13 +143,16 @@ class RoundWidthChooser:
             rows' states only in such rounds.
         state_every: rounds between updates of the per-state counts and of `refine`'s table (`prepare`): the engine
             asks every round, and a state's estimate, like the average row's, remembers about a thousand rounds.
+        strides: a width at most as wide as one that has run takes its tokens per round from that width's rounds
+            by their strides (`_stride_tokens`: acceptance runs in stretches, as on real text); False: from the
+            hazards alone (right where a round's acceptance is independent of the round before).
     """
 
     def __init__(self, widths: tuple[int, ...], warmup: int = 2, samples: int = 3, window: int = 25,
                  decay: float = 0.999, refresh_every: int = 32, max_refresh_every: int = 1024,
                  refresh_gap: float = 0.05, switch_margin: float = 0.02, decide_every: int = 8,
                  reference_rounds: int = 9, switch_confidence: float = 0.9, draws: int = 32, seed: int = 0,
-                 state_prior: float = 4.0, state_rows: int = 2, state_every: int = 32):
+                 state_prior: float = 4.0, state_rows: int = 2, state_every: int = 32, strides: bool = True):
         if not widths or min(widths) < 0 or samples < 1 or window < samples or not 0 < decay <= 1 \
                 or not 1 <= refresh_every <= max_refresh_every or refresh_gap <= 0 or switch_margin < 0 \
                 or decide_every < 1 or reference_rounds < 1 or not 0 < switch_confidence < 1 or draws < 1 \
@@ -167,6 +175,10 @@ class RoundWidthChooser:
         self._reached = [0.0] * longest  # drafts j verified with drafts < j accepted
         self._accepted = [0.0] * longest  # ... and accepted
         self._expected: list[float] | None = None  # expected_tokens(v) for v = 0..longest, until the next record
+        # per drafting width x, from its rounds as the choice (decayed like the slot counts): the rows' committed
+        # tokens, and for each width v <= x the rounds of width v that would have committed them (`_stride_tokens`)
+        self._stride_committed = dict.fromkeys(self.widths, 0.0)
+        self._stride_rounds = {width: [0.0] * (width + 1) for width in self.widths}
         # the same counts per acceptance state of the rows before the round; the rows not counted in them yet, per
         # (state, width, accepted drafts) (`_fold_states`); state_tokens(state) until the next record
         self._state_counts: dict[int, tuple[list[float], list[float]]] = {}
@@ -176,6 +188,7 @@ class RoundWidthChooser:
         self._records_since_prepared = 0
         self._last_width: int | None = None  # the last recorded round's width
         self.state_prior, self.state_rows, self.state_every = state_prior, state_rows, state_every
+        self.strides = strides
         self.switch_confidence, self.draws = switch_confidence, draws
         self._rng = random.Random(seed)
         # why the last `choose` returned its width, and the expected rates (tokens per second and row) it compared,
@@ -190,10 +203,28 @@ class RoundWidthChooser:
         return list(itertools.accumulate(hazards, operator.mul))
 
     def expected_tokens(self, width: int) -> float:
-        """Tokens a row is expected to commit in a round that verifies `width` drafts."""
+        """Tokens a row is expected to commit in a round that verifies `width` drafts: `_stride_tokens` where rounds
+        at least as wide were run, else from the hazards (`survival`)."""
         if self._expected is None:
-            self._expected = list(itertools.accumulate(self.survival(), initial=1.0))
+            hazards = list(itertools.accumulate(self.survival(), initial=1.0))
+            self._expected = [self._stride_tokens(v) or hazards[v] for v in range(len(hazards))]
         return self._expected[width]
+
+    def _stride_tokens(self, width: int) -> float | None:
+        """Tokens per row and round that `width`'s own rounds would commit, from the rounds of the most counted width
+        x >= `width` (at least `STRIDE_ROWS` rows, decayed; None: none), counted while x was the choice: a row's
+        round of x drafts that committed T tokens covers the text of ceil(T / (width + 1)) rounds of `width` (taking
+        the text past an accepted draft to be as easy for the next round), so the estimate is the committed tokens
+        over those rounds. The per-slot hazards count each round alike instead, and a wider round strides through
+        easy text in fewer rounds: on code50m's acceptance field (`benchmarks/results/acceptance_field_code50m_cpu
+        .json`, rows walked at one width), γ = 7's rounds put γ = 3's tokens per round at 1.754 from the hazards and
+        1.812 from the strides, where γ = 3's own rounds commit 1.823. Another width's refresh rounds start where the
+        choice's rounds did, not where its own would, so they are not counted here."""
+        counted = [x for x in self.widths if x >= max(width, 1) and self._stride_rounds[x][x] >= STRIDE_ROWS]
+        if not counted or not self.strides:
+            return None
+        wider = max(counted, key=lambda x: self._stride_rounds[x][x])
+        return self._stride_committed[wider] / self._stride_rounds[wider][width]
 
     def state_tokens(self, state: int) -> list[float]:
         """Tokens a row in acceptance `state` (`acceptance_state`) is expected to commit in a round that verifies
@@ -268,11 +299,14 @@ class RoundWidthChooser:
         """The share of `draws` joint draws of the hazards from their Beta posteriors in which `challenger`'s rate
         beats `incumbent`'s by `switch_margin` (rounds taking `times`)."""
         wins = 0
-        for _ in range(self.draws):
+        pooled = list(itertools.accumulate(self.survival(), initial=1.0))
+        scale = {width: self.expected_tokens(width) / pooled[width] for width in (challenger, incumbent)}
+        for _ in range(self.draws):  # (each draw's tokens scaled as `_stride_tokens` corrects the hazards' estimate)
             hazards = (self._rng.betavariate(accepted + 1, reached - accepted + 1)
                        for reached, accepted in zip(self._reached, self._accepted))
             tokens = list(itertools.accumulate(itertools.accumulate(hazards, operator.mul), initial=1.0))
-            lead = tokens[challenger] / times[challenger] / (tokens[incumbent] / times[incumbent])
+            lead = (scale[challenger] * tokens[challenger] / times[challenger]
+                    / (scale[incumbent] * tokens[incumbent] / times[incumbent]))
             wins += lead > 1 + self.switch_margin
         return wins / self.draws
 
@@ -401,7 +435,10 @@ class RoundWidthChooser:
                        may_retime=width == bucket.best or self._could_lead(width, math.exp(log_seconds), group))
         if width == 0 or not accepted:
             return
-        self._count(width, Counter(accepted), len(accepted), self._reached, self._accepted)
+        rows_with = Counter(accepted)
+        self._count(width, rows_with, len(accepted), self._reached, self._accepted)
+        if width == bucket.best or bucket.best is None:  # (another width's rounds start where the choice's did)
+            self._count_strides(width, rows_with)
         self._expected = None
         self._state_expected.clear()  # (each state's prior is the average row's)
         if states is not None:  # (counted per state at the next `prepare` or `state_tokens`: most rounds read none)
@@ -444,6 +481,16 @@ class RoundWidthChooser:
             reached[slot] = reached[slot] * decay + at_least
             at_least -= rows_with.get(slot, 0)
             accepted_counts[slot] = accepted_counts[slot] * decay + at_least
+
+    def _count_strides(self, width: int, rows_with: dict[int, int]) -> None:
+        """Adds a round of `width` drafts whose rows accepted k drafts `rows_with[k]` times to `_stride_tokens`'
+        counts of `width` (decayed first)."""
+        decay, rounds = self.decay, self._stride_rounds[width]
+        self._stride_committed[width] = self._stride_committed[width] * decay + sum(
+            (accepted + 1) * count for accepted, count in rows_with.items())
+        for narrower in range(width + 1):
+            rounds[narrower] = rounds[narrower] * decay + sum(
+                -(-(accepted + 1) // (narrower + 1)) * count for accepted, count in rows_with.items())
 
     def _could_lead(self, width: int, seconds: float, group: tuple[int, int]) -> bool:
         """Whether `width`, if its rounds took `seconds`, would reach the chosen width's expected rate in `group`
