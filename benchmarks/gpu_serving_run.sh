@@ -163,27 +163,29 @@
 #     serving_static_code50m_outside_logged_h100.*; 020d75a with hardware_aware_round_timed among the policies at
 #     128 64 (258 s, fresh): serving_static_code50m_round_timed_variant_h100_c128_64.*; 020d75a at 4 1 (252 s, warm):
 #     serving_static_code50m_step_timed_h100_c4_1.*.
+# Forty-first session (one H100 a call, fresh): library ce392be (the told overhead; the row upkeep cut) with
+#     hardware_aware_round_timed among the policies, at c = 128 64 (8 requests a slot; 335 s) and, with
+#     row_freeing.py before it, 4 1 (32; 347 s): serving_static_code50m_told_overhead_h100_{c128_64,c4_1}.*, and
+#     `python benchmarks/row_freeing.py --trials 100 --out ...` with src and with e8d93c3's src (carried as
+#     carry_sched/old_src/src on PYTHONPATH): row_freeing_{ce392be,e8d93c3,primitives}_h100.json.
 # Next (one call each, carry_sched; move demo_models/, drafters/ and benchmarks/results/ aside first; a device call
 #     returns at most eight files, so write fewer or split):
-#     1. first, the step's overhead told apart (324918c, its mean 9d7f30f; not yet on the GPU): the command below at
-#        c = 4 1 (--requests-per-slot 32), where the whole-step timing served 0.931 x fixed γ = 3 at c = 4, then at 128 64
-#        (8) with hardware_aware_round_timed among the policies (the chooser told no overhead), where plain and γ = 3
-#        are within a few percent and the choice went either way on 12-06;
-#     2. freeing a finished request's row costs 0.12 ms a round that frees any (StaticRows.remove: per-row device
-#        writes of rounds.active and the sampling settings; 57-90 % of rounds at c = 64-128): batch them, then the
-#        command below at c = 64 128 before and after (outside_ms in the round logs shows it);
-#     3. `PYTHONPATH=src python -m pytest -q -p no:hypothesispytest -n 0 tests/test_cuda_graphs.py` (the whole file,
-#        more than 270 s on a fresh machine);
-#     4. the per-row rates leave out a drafting engine's dearer admissions and its rounds' fewer requests
+#     1. first, the strides (a43caaa; not yet on the GPU): the command below at c = 4 1 (--requests-per-slot 32) with
+#        --policies no_spec fixed_3 fixed_7 hardware_aware hardware_aware_hazards_only, where the hazards-only chooser
+#        ran γ = 7 and served 0.960 and 0.972 x fixed γ = 3 on 12-06; then at 128 64 (8);
+#     2. `PYTHONPATH=src python -m pytest -q -p no:hypothesispytest -n 0 tests/test_cuda_graphs.py tests/test_tensor_ops.py`
+#        (the whole file, more than 270 s on a fresh machine);
+#     3. the per-row rates leave out a drafting engine's dearer admissions and its rounds' fewer requests
 #        (docs/scheduling.md): a change there, then c = 64 128 again;
 #        SERVING_TIMEOUT=420 OUT=$OUT bash benchmarks/gpu_serving_run.sh --model code50m --static
 #        --graph-sizes-per-cell 1 --max-new-tokens 64 --repeats 3 --no-paged --policies no_spec fixed_1 fixed_3
 #        fixed_7 hardware_aware --requests-per-slot 8 --min-requests 64 --admission-rows 16
 #        --eager-admission-from 100000 --concurrency 128 64 --round-logs $OUT/round_logs.json.gz --out $OUT/cells.json
 #        (then rm -f $OUT/serving_static_h200.* $OUT/serving_h200.* $OUT/serving_trace_code50m.json: eight files);
-#     5. the 4B command at c = 32 and 128 with the narrow rounds;
+#     4. the 4B command at c = 32 and 128 with the narrow rounds;
 #        `round_speed.py --model qwen3-8b-shape --methods plain_static_compiled dspark_static_compiled`.
-#     A fresh machine compiles slowly: give a call of one concurrency at least 200 s.
+#     A fresh machine compiles slowly: give a call of one concurrency at least 200 s. Device starts were refused
+#     often on 12-06 (each refusal costs 15-120 s of the session's device time).
 set -uo pipefail
 # SERVING_TIMEOUT=S stops the benchmark after S seconds (results are saved after every concurrency); 0: no limit.
 export PYTHONPATH=${DSPARK_SRC:-src}

@@ -10,7 +10,7 @@ round, the v with the most expected committed tokens per second,
 where t(v) is v's round time (the engine times a round whole, until its tokens are delivered: the host's work on them
 costs every round alike, and leaving it out undervalued the wider widths) plus the overhead of the server's step around
 a round (`record`'s `overhead`: before the round and after the delivery, 0.14-0.23 ms a round on an H100 at c = 64-128
-against rounds of 0.6-1.6 ms; mostly freeing finished requests' rows, 0.12 ms in a round where any finished; every
+against rounds of 0.6-1.6 ms; mostly freeing finished requests' rows, then 0.12 ms in a round where any finished; every
 width's, so its mean over the group's last `window` rounds, the expected cost of a round: at c = 4, where few rounds
 free rows, a width whose measuring rounds did would otherwise look 20 % slower, and the median would count it in every
 round at c = 64 or in none at c = 4), and S_j the probability that a row accepts its first j drafts, estimated from
@@ -28,9 +28,10 @@ resting on a few lucky rows is not enough. The counts are per round, and a wider
 fewer rounds: γ = 7's rounds put γ = 3's tokens per round 4 % low on code50m's text, and with γ = 3 chosen, γ = 7's
 refresh rounds (which start where γ = 3's rounds did) put γ = 7's about 2 % high, so the chooser leaned to γ = 7 from
 either side (on an H100 at c = 4 it estimated 1.765 and 1.936 tokens a round where fixed γ = 3 and 7 committed 1.82
-and 1.91, ran γ = 7 and served 0.96 x fixed γ = 3). So a width at most as wide as a chosen one takes its tokens per
-round from the strides of the choice's rounds (`_stride_tokens`: a row that committed T tokens in one round covered the
-text of ceil(T / (v + 1)) rounds of v drafts); wider widths still take the hazards (their upward lean remains).
+and 1.91, ran γ = 7 and served 0.96 x fixed γ = 3). So a width at most as wide as the one the rows walked at lately
+takes its tokens per round from the strides of that width's rounds as the choice (`_stride_tokens`: a row that
+committed T tokens in one round covered the text of ceil(T / (v + 1)) rounds of v drafts); wider widths still take the
+hazards (their upward lean remains).
 
 Acceptance also runs in stretches: on code50m's text, a row that accepted all 7 drafts of a round accepted 6 of the next
 round's on average, one that accepted none 0.57 (`chooser_on_text.py`'s fixed γ = 7 rounds at c = 4). So the counts are
@@ -143,7 +144,7 @@ class RoundWidthChooser:
             rows' states only in such rounds.
         state_every: rounds between updates of the per-state counts and of `refine`'s table (`prepare`): the engine
             asks every round, and a state's estimate, like the average row's, remembers about a thousand rounds.
-        strides: a width at most as wide as one that has run takes its tokens per round from that width's rounds
+        strides: a width at most as wide as the one run lately takes its tokens per round from that width's rounds
             by their strides (`_stride_tokens`: acceptance runs in stretches, as on real text); False: from the
             hazards alone (right where a round's acceptance is independent of the round before).
     """
@@ -175,8 +176,8 @@ class RoundWidthChooser:
         self._reached = [0.0] * longest  # drafts j verified with drafts < j accepted
         self._accepted = [0.0] * longest  # ... and accepted
         self._expected: list[float] | None = None  # expected_tokens(v) for v = 0..longest, until the next record
-        # per drafting width x, from its rounds as the choice (decayed like the slot counts): the rows' committed
-        # tokens, and for each width v <= x the rounds of width v that would have committed them (`_stride_tokens`)
+        # per drafting width x, from its rounds as the choice (all decayed at each such round of any width): the rows'
+        # committed tokens, and for each width v <= x the rounds of width v that would have committed them
         self._stride_committed = dict.fromkeys(self.widths, 0.0)
         self._stride_rounds = {width: [0.0] * (width + 1) for width in self.widths}
         # the same counts per acceptance state of the rows before the round; the rows not counted in them yet, per
@@ -203,28 +204,27 @@ class RoundWidthChooser:
         return list(itertools.accumulate(hazards, operator.mul))
 
     def expected_tokens(self, width: int) -> float:
-        """Tokens a row is expected to commit in a round that verifies `width` drafts: `_stride_tokens` where rounds
-        at least as wide were run, else from the hazards (`survival`)."""
+        """Tokens a row is expected to commit in a round that verifies `width` drafts: `_stride_tokens` up to the width
+        run lately, else from the hazards (`survival`)."""
         if self._expected is None:
             hazards = list(itertools.accumulate(self.survival(), initial=1.0))
             self._expected = [self._stride_tokens(v) or hazards[v] for v in range(len(hazards))]
         return self._expected[width]
 
     def _stride_tokens(self, width: int) -> float | None:
-        """Tokens per row and round that `width`'s own rounds would commit, from the rounds of the most counted width
-        x >= `width` (at least `STRIDE_ROWS` rows, decayed; None: none), counted while x was the choice: a row's
-        round of x drafts that committed T tokens covers the text of ceil(T / (width + 1)) rounds of `width` (taking
-        the text past an accepted draft to be as easy for the next round), so the estimate is the committed tokens
-        over those rounds. The per-slot hazards count each round alike instead, and a wider round strides through
+        """Tokens per row and round that `width`'s own rounds would commit, from the rounds of the width x the rows
+        walked at lately (the most counted, at least `STRIDE_ROWS` rows; None: `width` is wider, or too few rows),
+        counted while x was the choice: a row's round of x drafts that committed T tokens covers the text of
+        ceil(T / (width + 1)) rounds of `width` (taking the text past an accepted draft to be as easy for the next
+        round), so the estimate is the committed tokens over those rounds. The per-slot hazards count each round alike instead, and a wider round strides through
         easy text in fewer rounds: on code50m's acceptance field (`benchmarks/results/acceptance_field_code50m_cpu
         .json`, rows walked at one width), γ = 7's rounds put γ = 3's tokens per round at 1.754 from the hazards and
         1.812 from the strides, where γ = 3's own rounds commit 1.823. Another width's refresh rounds start where the
         choice's rounds did, not where its own would, so they are not counted here."""
-        counted = [x for x in self.widths if x >= max(width, 1) and self._stride_rounds[x][x] >= STRIDE_ROWS]
-        if not counted or not self.strides:
+        walked = max(self.widths, key=lambda x: self._stride_rounds[x][x])  # (the choice of late)
+        if not self.strides or width > walked or self._stride_rounds[walked][walked] < STRIDE_ROWS:
             return None
-        wider = max(counted, key=lambda x: self._stride_rounds[x][x])
-        return self._stride_committed[wider] / self._stride_rounds[wider][width]
+        return self._stride_committed[walked] / self._stride_rounds[walked][width]
 
     def state_tokens(self, state: int) -> list[float]:
         """Tokens a row in acceptance `state` (`acceptance_state`) is expected to commit in a round that verifies
@@ -407,7 +407,7 @@ class RoundWidthChooser:
                     bucket.interval[width] = min(2 * bucket.interval[width], self.max_refresh_every)
                     self.reason = "refresh"
                     return width
-        bucket.settled_until = min(bucket.rounds + self.decide_every, *due.values())
+        bucket.settled_until = min([bucket.rounds + self.decide_every, *due.values()])  # (due: empty for one width)
         return best
 
     def record(self, width: int, seconds: float, accepted: list[int], rows: int = 0, captured: bool = False,
@@ -437,7 +437,7 @@ class RoundWidthChooser:
             return
         rows_with = Counter(accepted)
         self._count(width, rows_with, len(accepted), self._reached, self._accepted)
-        if width == bucket.best or bucket.best is None:  # (another width's rounds start where the choice's did)
+        if width == bucket.best:  # (another width's rounds start where the choice's did)
             self._count_strides(width, rows_with)
         self._expected = None
         self._state_expected.clear()  # (each state's prior is the average row's)
@@ -484,13 +484,16 @@ class RoundWidthChooser:
 
     def _count_strides(self, width: int, rows_with: dict[int, int]) -> None:
         """Adds a round of `width` drafts whose rows accepted k drafts `rows_with[k]` times to `_stride_tokens`'
-        counts of `width` (decayed first)."""
-        decay, rounds = self.decay, self._stride_rounds[width]
-        self._stride_committed[width] = self._stride_committed[width] * decay + sum(
-            (accepted + 1) * count for accepted, count in rows_with.items())
-        for narrower in range(width + 1):
-            rounds[narrower] = rounds[narrower] * decay + sum(
-                -(-(accepted + 1) // (narrower + 1)) * count for accepted, count in rows_with.items())
+        counts of `width`; every width's counts decay first (so the choice of late holds the most)."""
+        decay = self.decay
+        for counted in self.widths:
+            self._stride_committed[counted] *= decay
+            self._stride_rounds[counted] = [rounds * decay for rounds in self._stride_rounds[counted]]
+        rows = rows_with.items()
+        self._stride_committed[width] += sum((accepted + 1) * count for accepted, count in rows)
+        rounds = self._stride_rounds[width]
+        for narrower in range(width + 1):  # (ceil((accepted + 1) / (narrower + 1)) rounds per row)
+            rounds[narrower] += sum(-(-(accepted + 1) // (narrower + 1)) * count for accepted, count in rows)
 
     def _could_lead(self, width: int, seconds: float, group: tuple[int, int]) -> bool:
         """Whether `width`, if its rounds took `seconds`, would reach the chosen width's expected rate in `group`
