@@ -93,18 +93,7 @@ def sync_probe(device: torch.device, trials: int) -> dict | None:
     probes = {"torch.tensor(device=...)": lambda: torch.tensor([1, 2, 3], device=device)}
     if to_device is not None:
         probes["to_device"] = lambda: to_device([1, 2, 3], device, torch.long)
-    result = {}
-    for name, probe in probes.items():
-        times = []
-        for _ in range(trials):
-            _sync(device)
-            torch.cuda._sleep(50_000_000)
-            start = time.perf_counter()
-            probe()
-            times.append(time.perf_counter() - start)
-        result[name] = _spread(times)
-    _sync(device)
-    return result
+    return _host_times(device, probes, trials, queued=lambda: torch.cuda._sleep(50_000_000))
 
 
 def primitives(device: torch.device, trials: int) -> dict | None:
@@ -128,11 +117,17 @@ def primitives(device: torch.device, trials: int) -> dict | None:
         "active[index] = 0 (4 rows, index on the device)": lambda: active.__setitem__(four, 0),
         "to_device + index_fill_ (1 row)": lambda: active.index_fill_(0, to_device([5], device, torch.long), 0),
     }
+    return _host_times(device, probes, trials)
+
+
+def _host_times(device: torch.device, probes: dict, trials: int, queued=lambda: None) -> dict:
+    """Each probe's host time over `trials` calls, the device synchronized before each and `queued` called then."""
     result = {}
     for name, probe in probes.items():
         times = []
         for _ in range(trials):
             _sync(device)
+            queued()
             start = time.perf_counter()
             probe()
             times.append(time.perf_counter() - start)

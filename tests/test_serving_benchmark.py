@@ -514,3 +514,17 @@ def test_chooser_on_field_serves_fixed_widths_exactly_and_runs_the_chooser_as_th
                                         clock, step_overhead=lambda width, _: 5e-4, overhead=overhead)
         assert around["gpu_seconds"] == pytest.approx(sum((times[w] + 5e-4) * n for w, n in around["rounds"].items()))
         assert chooser.summary()[2, 2][7]["overhead_ms"] == pytest.approx(told_ms)
+
+
+def test_row_freeing_times_the_upkeep_and_leaves_the_rows_free():
+    """`benchmarks/row_freeing.py` on the CPU: per number of freed rows, greedy and sampled, the host time of `remove`
+    and of an admission's sampling settings (the spread of its trials)."""
+    row_freeing = pytest.importorskip("row_freeing")
+    results = row_freeing.time_upkeep(torch.device("cpu"), rows=4, freed=[1, 3], trials=3)
+    assert [(result["freed"], result["sampled"]) for result in results] == [(1, False), (1, True), (3, False),
+                                                                            (3, True)]
+    for result in results:
+        for part in ("remove", "remove_and_its_device_work", "set_sampling"):
+            spread = result[part]
+            assert 0 < spread["p10_us"] <= spread["median_us"] <= spread["p90_us"]
+    assert row_freeing.sync_probe(torch.device("cpu"), 2) is None  # (CUDA only)
