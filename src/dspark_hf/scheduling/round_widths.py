@@ -208,23 +208,26 @@ class RoundWidthChooser:
         run lately, else from the hazards (`survival`)."""
         if self._expected is None:
             hazards = list(itertools.accumulate(self.survival(), initial=1.0))
-            self._expected = [self._stride_tokens(v) or hazards[v] for v in range(len(hazards))]
+            strides = self._stride_tokens()
+            self._expected = hazards if strides is None else strides + hazards[len(strides):]
         return self._expected[width]
 
-    def _stride_tokens(self, width: int) -> float | None:
-        """Tokens per row and round that `width`'s own rounds would commit, from the rounds of the width x the rows
-        walked at lately (the most counted, at least `STRIDE_ROWS` rows; None: `width` is wider, or too few rows),
-        counted while x was the choice: a row's round of x drafts that committed T tokens covers the text of
-        ceil(T / (width + 1)) rounds of `width` (taking the text past an accepted draft to be as easy for the next
-        round), so the estimate is the committed tokens over those rounds. The per-slot hazards count each round alike instead, and a wider round strides through
-        easy text in fewer rounds: on code50m's acceptance field (`benchmarks/results/acceptance_field_code50m_cpu
-        .json`, rows walked at one width), γ = 7's rounds put γ = 3's tokens per round at 1.754 from the hazards and
-        1.812 from the strides, where γ = 3's own rounds commit 1.823. Another width's refresh rounds start where the
-        choice's rounds did, not where its own would, so they are not counted here."""
+    def _stride_tokens(self) -> list[float] | None:
+        """Tokens per row and round that each width v = 0..x would commit in its own rounds, from the rounds of the
+        width x the rows walked at lately (the most counted; None: fewer than `STRIDE_ROWS` rows), counted while x
+        was the choice: a row's round of x drafts that committed T tokens covers the text of ceil(T / (v + 1)) rounds
+        of v drafts (taking the text past an accepted draft to be as easy for the next round), so the estimate is the
+        committed tokens over those rounds. The per-slot hazards count each round alike instead, and a wider round
+        strides through easy text in fewer rounds: on code50m's acceptance field
+        (`benchmarks/results/acceptance_field_code50m_cpu.json`, rows walked at one width), γ = 7's rounds put γ = 3's
+        tokens per round at 1.754 from the hazards and 1.812 from the strides, where γ = 3's own rounds commit 1.823.
+        Another width's refresh rounds start where the choice's rounds did, not where its own would, so they are not
+        counted here."""
         walked = max(self.widths, key=lambda x: self._stride_rounds[x][x])  # (the choice of late)
-        if not self.strides or width > walked or self._stride_rounds[walked][walked] < STRIDE_ROWS:
+        if not self.strides or self._stride_rounds[walked][walked] < STRIDE_ROWS:
             return None
-        return self._stride_committed[walked] / self._stride_rounds[walked][width]
+        committed = self._stride_committed[walked]
+        return [committed / rounds for rounds in self._stride_rounds[walked]]
 
     def state_tokens(self, state: int) -> list[float]:
         """Tokens a row in acceptance `state` (`acceptance_state`) is expected to commit in a round that verifies
