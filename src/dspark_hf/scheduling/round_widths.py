@@ -264,6 +264,8 @@ class RoundWidthChooser:
         if self.reason not in REFINED or len(states) > self.state_rows:
             return width
         self.prepare(rows, len(states))  # (done already, in the engine)
+        if self._state_rates is None:  # (a width without a time: see `prepare`)
+            return width
         _, seconds, table = self._state_rates
         rates = None
         for state in states:
@@ -279,7 +281,9 @@ class RoundWidthChooser:
         """Computes, for `refine` in rounds of `rows` rows holding `requests` requests (None: all), every state's
         expected tokens per second at each width, once every `state_every` rounds: the engine calls it while the
         device runs a round, after `choose`, and most calls return at once. (Nothing to do when `choose` returned a
-        width to measure, confirm or refresh: not every width's time may be known then.)"""
+        width to measure, confirm or refresh: not every width's time may be known then. A settled choice may also
+        stand while a width has no time anywhere: a refresh in another group found its times stale and times it
+        again; then `refine` keeps the choice until it has one.)"""
         group = self.group(rows, requests)
         if self.reason not in REFINED or (self._state_rates is not None and self._state_rates[0] == group
                                           and self._records_since_prepared < self.state_every):
@@ -287,6 +291,9 @@ class RoundWidthChooser:
         self._records_since_prepared = 0
         self._fold_states()
         seconds = [self._cost(width, group) for width in self.widths]
+        if None in seconds:
+            self._state_rates = None
+            return
         self._state_rates = (group, seconds, {state: self._state_rates_of(state, seconds)
                                               for state in (AFTER_PLAIN, *self._state_counts)})
 
