@@ -100,8 +100,10 @@ def serve(field: list[list[int]], lengths: list[int], rows: FieldRows, width: in
                 states = [AFTER_PLAIN] * len(occupied)
             elif tracked and states_current:
                 states = [rows.states[slot] for slot in occupied]
+            chosen, refined = verify, False
             if states is not None:
                 verify = chooser.refine(verify, states, count)
+                refined = verify != chosen
         else:
             verify = width
         took = round_seconds(verify, seconds) * (1.0 + switch_cost if last_width not in (None, verify) else 1.0)
@@ -109,7 +111,7 @@ def serve(field: list[list[int]], lengths: list[int], rows: FieldRows, width: in
         last_width = verify
         if chooser is not None:  # during the round: the one before recorded, the next one's width chosen
             if unrecorded is not None:
-                chooser.record(*unrecorded[:-1], overhead=unrecorded[-1])
+                chooser.record(*unrecorded[:-2], overhead=unrecorded[-2], refined=unrecorded[-1])
             planned = chooser.choose(count)
             if len(occupied) <= chooser.state_rows:
                 chooser.prepare(count)
@@ -119,13 +121,13 @@ def serve(field: list[list[int]], lengths: list[int], rows: FieldRows, width: in
         drafted_last = verify > 0
         if chooser is not None:
             told = {"told": (took, around), "folded": (took + around, None), "none": (took, None)}[overhead]
-            unrecorded = (verify, told[0], accepted, count, False, states, told[1])
+            unrecorded = (verify, told[0], accepted, count, False, states, told[1], refined)
             states_current = len(occupied) <= chooser.state_rows and verify > 0
             if states_current:
                 for slot, drafts in zip(occupied, accepted):
                     rows.states[slot] = drafts if drafts < verify else FULL + verify
             if not rows.occupied():
-                chooser.record(*unrecorded[:-1], overhead=unrecorded[-1])
+                chooser.record(*unrecorded[:-2], overhead=unrecorded[-2], refined=unrecorded[-1])
                 planned, unrecorded = None, None
     tokens = sum(lengths)
     return dict(tokens=tokens, gpu_seconds=seconds, tokens_per_second=tokens / seconds,

@@ -111,10 +111,10 @@ TRACE = RESULTS / "serving_trace_code50m.json"
 SPS_PROFILE = dict(batch_tokens=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048), context_length=256, repeats=5)
 SHARED_ENGINE = "drafting"  # --shared-graphs: the engine every drafting policy runs on
 # --static, only when named in --policies: hardware-aware engines beside the current one, their chooser told no
-# overhead (the server's step around a round; as before 2026-12-06), or estimating every width's tokens per round from
-# the hazards alone (`RoundWidthChooser(strides=False)`; as before 2026-12-06)
+# overhead (the server's step around a round; as before 2026-12-06), or estimating the widths up to the one walked
+# lately from its rounds' strides (`RoundWidthChooser(strides=True)`; the default on 2026-12-06)
 ROUND_TIMED = "hardware_aware_round_timed"
-HAZARDS_ONLY = "hardware_aware_hazards_only"
+STRIDES = "hardware_aware_strides"
 GUARD = SpeculationGuard()  # the hardware-aware engines' guard: one for the whole run, like a long-running server
 
 
@@ -124,7 +124,7 @@ def policies(threshold: float, gamma_max: int) -> dict[str, dict]:
         if gamma <= gamma_max:
             table[f"fixed_{gamma}"] = dict(policy="fixed", gamma=gamma)
     table["static_threshold"] = dict(policy="static_threshold", threshold=threshold)
-    table["hardware_aware"] = table[ROUND_TIMED] = table[HAZARDS_ONLY] = dict(policy="hardware_aware")
+    table["hardware_aware"] = table[ROUND_TIMED] = table[STRIDES] = dict(policy="hardware_aware")
     return table
 
 
@@ -135,12 +135,12 @@ def time_rounds_only(engine: DSparkEngine) -> None:
     engine.runner.finish_round = lambda delivered, overhead=None: finish(delivered)
 
 
-def hazards_only(engine: DSparkEngine) -> None:
-    """`HAZARDS_ONLY`: the engine's chooser estimates every width's tokens per round from the hazards alone."""
-    engine.runner.chooser.strides = False
+def with_strides(engine: DSparkEngine) -> None:
+    """`STRIDES`: the engine's chooser estimates the widths up to the one walked lately from its rounds' strides."""
+    engine.runner.chooser.strides = True
 
 
-VARIANTS = {ROUND_TIMED: time_rounds_only, HAZARDS_ONLY: hazards_only}
+VARIANTS = {ROUND_TIMED: time_rounds_only, STRIDES: with_strides}
 
 
 # ---------------------------------------------------------------------------------------------------- models

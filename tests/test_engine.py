@@ -549,7 +549,7 @@ class RecordingWidths(RandomWidths):
 
     def __init__(self, widths, seed: int):
         super().__init__(widths, seed)
-        self.calls, self.captured, self.seconds, self.states, self.overheads = [], [], [], [], []
+        self.calls, self.captured, self.seconds, self.states, self.overheads, self.refined = [], [], [], [], [], []
 
     def choose(self, rows: int = 0, requests: int | None = None) -> int:
         width = super().choose(rows)
@@ -557,12 +557,28 @@ class RecordingWidths(RandomWidths):
         return width
 
     def record(self, width: int, seconds: float, accepted: list[int], rows: int = 0, captured: bool = False,
-               states: list[int] | None = None, requests: int | None = None, overhead: float | None = None) -> None:
+               states: list[int] | None = None, requests: int | None = None, overhead: float | None = None,
+               refined: bool = False) -> None:
         self.calls.append(("record", width, self.group(rows, requests), list(accepted)))
         self.captured.append(captured)
         self.seconds.append(seconds)
         self.overheads.append(overhead)
         self.states.append(states)
+        self.refined.append(refined)
+
+
+class RefiningWidths(RecordingWidths):
+    """RecordingWidths whose `refine` turns half the rounds it sees to the widest width, noting which rounds (by
+    the engine's round index) it changed."""
+
+    def __init__(self, widths, seed: int, engine: DSparkEngine):
+        super().__init__(widths, seed)
+        self.engine, self.changed = engine, {}
+
+    def refine(self, width: int, states, rows: int = 0) -> int:
+        refined = self.widths[-1] if self.rng.random() < 0.5 else width
+        self.changed[len(self.engine.round_log)] = refined != width
+        return refined
 
 
 @pytest.mark.parametrize("state_rows", [4, 2])
@@ -619,6 +635,26 @@ def test_static_engine_calls_its_chooser_while_the_device_runs_a_round(models, s
             checked += 1
     assert checked > 3 and any(state not in (AFTER_PLAIN, 0) for states in chooser.states if states for state in states)
     assert (None in chooser.states) == (state_rows < 3)
+
+
+def test_static_engine_tells_its_chooser_which_rounds_refine_changed(models):
+    """A round whose width `refine` changed for its rows' states is recorded with `refined=True` (the chooser keeps
+    its acceptance out of the average row's estimate), every other round with False."""
+    target, drafter = models
+    engine = DSparkEngine(target, drafter, max_batch_size=2, max_model_len=96, static=True, policy="hardware_aware",
+                          default_sampling={"temperature": 0})
+    chooser = engine.runner.chooser = RefiningWidths(engine.runner.chooser.widths, seed=4, engine=engine)
+    for prompt, max_tokens in (([5, 6, 7], 30), ([8, 9], 20)):
+        engine.add_request(prompt, max_tokens=max_tokens)
+    engine.run()
+    engine.add_request([5, 6], max_tokens=2)
+    engine.step()
+    assert len(chooser.refined) == len(engine.round_log) - 1 > 5
+    assert chooser.refined == [chooser.changed.get(index, False) for index in range(len(chooser.refined))]
+    assert True in chooser.refined and False in chooser.refined
+    for index, refined in enumerate(chooser.refined):
+        if refined:
+            assert engine.round_log[index]["verify"][0] == chooser.widths[-1]
 
 
 def test_static_engine_times_each_round_with_its_delivery_for_its_chooser(models, monkeypatch):

@@ -365,9 +365,9 @@ class StaticRows:
 
     def _record_last_round(self, seconds: float, overhead: float | None = None) -> None:
         if self._unrecorded is not None:
-            width, accepted, rows, captured, states = self._unrecorded
+            width, accepted, rows, captured, states, refined = self._unrecorded
             self.chooser.record(width, seconds, accepted, rows, captured, states, requests=len(accepted),
-                                overhead=overhead)
+                                overhead=overhead, refined=refined)
             self._unrecorded = None
 
     @torch.no_grad()
@@ -394,10 +394,11 @@ class StaticRows:
             states = [AFTER_PLAIN] * len(occupied)
         elif tracked and self._states_current:
             states = [self.acceptance_states[index] for index in occupied]
+        refined = False  # (whether `refine` changed the width for the rows' states)
         if states is not None:
-            refined = self.chooser.refine(verify, states, count)
-            if refined != verify:
-                verify, self.choice = refined, (self.chooser.reason, self.chooser.rates)
+            width = self.chooser.refine(verify, states, count)
+            if width != verify:
+                verify, self.choice, refined = width, (self.chooser.reason, self.chooser.rates), True
         started = time.perf_counter()
         last_round, overhead = self._round_seconds(), self._round_overhead
         self._last_round_started, self._round_overhead = started, None
@@ -449,7 +450,7 @@ class StaticRows:
         self.drafted_last_round = verify > 0
         self.plain_rounds_in_a_row = 0 if verify else self.plain_rounds_in_a_row + 1
         if self.chooser is not None:  # recorded during the next round (whose width was chosen without it)
-            self._unrecorded = (verify, accepted_drafts, count, captured, states)
+            self._unrecorded = (verify, accepted_drafts, count, captured, states, refined)
             self._states_current = tracked and verify > 0
             if self._states_current:  # (acceptance_state, inline)
                 row_states, full = self.acceptance_states, FULL + verify

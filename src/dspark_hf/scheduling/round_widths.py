@@ -28,10 +28,12 @@ resting on a few lucky rows is not enough. The counts are per round, and a wider
 fewer rounds: γ = 7's rounds put γ = 3's tokens per round 4 % low on code50m's text, and with γ = 3 chosen, γ = 7's
 refresh rounds (which start where γ = 3's rounds did) put γ = 7's about 2 % high, so the chooser leaned to γ = 7 from
 either side (on an H100 at c = 4 it estimated 1.765 and 1.936 tokens a round where fixed γ = 3 and 7 committed 1.82
-and 1.91, ran γ = 7 and served 0.96 x fixed γ = 3). So a width at most as wide as the one the rows walked at lately
-takes its tokens per round from the strides of that width's rounds as the choice (`_stride_tokens`: a row that
-committed T tokens in one round covered the text of ceil(T / (v + 1)) rounds of v drafts); wider widths still take the
-hazards (their upward lean remains).
+and 1.91, ran γ = 7 and served 0.96 x fixed γ = 3). With `strides=True` a width at most as wide as the one the rows
+walked at lately takes its tokens per round from the strides of that width's rounds as the choice (`_stride_tokens`: a
+row that committed T tokens in one round covered the text of ceil(T / (v + 1)) rounds of v drafts); wider widths still
+take the hazards (their upward lean remains). Off by default: beside the hazards alone on one H100 at c = 4 (two calls)
+it served 0.964 and 0.977 x fixed γ = 3 where the hazards alone served 0.996 and 0.992, though through the rounds
+below (`record`'s `refined`), not through the strides themselves.
 
 Acceptance also runs in stretches: on code50m's text, a row that accepted all 7 drafts of a round accepted 6 of the next
 round's on average, one that accepted none 0.57 (`chooser_on_text.py`'s fixed γ = 7 rounds at c = 4). So the counts are
@@ -145,15 +147,16 @@ class RoundWidthChooser:
         state_every: rounds between updates of the per-state counts and of `refine`'s table (`prepare`): the engine
             asks every round, and a state's estimate, like the average row's, remembers about a thousand rounds.
         strides: a width at most as wide as the one run lately takes its tokens per round from that width's rounds
-            by their strides (`_stride_tokens`: acceptance runs in stretches, as on real text); False: from the
-            hazards alone (right where a round's acceptance is independent of the round before).
+            by their strides (`_stride_tokens`: acceptance runs in stretches, as on real text); False (the default,
+            see the module docstring): from the hazards alone (right where a round's acceptance is independent of
+            the round before).
     """
 
     def __init__(self, widths: tuple[int, ...], warmup: int = 2, samples: int = 3, window: int = 25,
                  decay: float = 0.999, refresh_every: int = 32, max_refresh_every: int = 1024,
                  refresh_gap: float = 0.05, switch_margin: float = 0.02, decide_every: int = 8,
                  reference_rounds: int = 9, switch_confidence: float = 0.9, draws: int = 32, seed: int = 0,
-                 state_prior: float = 4.0, state_rows: int = 2, state_every: int = 32, strides: bool = True):
+                 state_prior: float = 4.0, state_rows: int = 2, state_every: int = 32, strides: bool = False):
         if not widths or min(widths) < 0 or samples < 1 or window < samples or not 0 < decay <= 1 \
                 or not 1 <= refresh_every <= max_refresh_every or refresh_gap <= 0 or switch_margin < 0 \
                 or decide_every < 1 or reference_rounds < 1 or not 0 < switch_confidence < 1 or draws < 1 \
@@ -421,12 +424,17 @@ class RoundWidthChooser:
         return best
 
     def record(self, width: int, seconds: float, accepted: list[int], rows: int = 0, captured: bool = False,
-               states: list[int] | None = None, requests: int | None = None, overhead: float | None = None) -> None:
+               states: list[int] | None = None, requests: int | None = None, overhead: float | None = None,
+               refined: bool = False) -> None:
         """A finished round of `rows` rows that verified `width` drafts: its wall-clock seconds and each running
         request's accepted drafts. `captured`: the round replayed a graph captured before (timed even among the
         first `warmup` rounds). `states`: each row's acceptance state before the round (`acceptance_state`), for
         `state_tokens`. `requests`: the rows that held a request (None: all). `overhead`: the seconds the server's
-        step spent around the round (before it, after its tokens were delivered; see the module docstring)."""
+        step spent around the round (before it, after its tokens were delivered; see the module docstring).
+        `refined`: `refine` chose the width for these rows' states, so their acceptance counts for their states
+        only, not for the average row: rows that had just accepted every draft, given 7 drafts, made the average
+        row's drafts 4-7 (verified in few other rounds) look likelier than they are. On an H100 at c = 4 that fed
+        back (more such rounds, then γ = 7 as the choice, where fixed γ = 3 served 4 % more)."""
         group = self.group(rows, requests)
         bucket = self._bucket(group)
         if overhead is not None:
@@ -445,11 +453,12 @@ class RoundWidthChooser:
                        may_retime=width == bucket.best or self._could_lead(width, math.exp(log_seconds), group))
         if width == 0 or not accepted:
             return
-        rows_with = Counter(accepted)
-        self._count(width, rows_with, len(accepted), self._reached, self._accepted)
-        if width == bucket.best:  # (another width's rounds start where the choice's did)
-            self._count_strides(width, rows_with)
-        self._expected = None
+        if not refined:
+            rows_with = Counter(accepted)
+            self._count(width, rows_with, len(accepted), self._reached, self._accepted)
+            if width == bucket.best:  # (another width's rounds start where the choice's did)
+                self._count_strides(width, rows_with)
+            self._expected = None
         self._state_expected.clear()  # (each state's prior is the average row's)
         if states is not None:  # (counted per state at the next `prepare` or `state_tokens`: most rounds read none)
             unfolded = self._unfolded
