@@ -168,11 +168,16 @@
 #     row_freeing.py before it, 4 1 (32; 347 s): serving_static_code50m_told_overhead_h100_{c128_64,c4_1}.*, and
 #     `python benchmarks/row_freeing.py --trials 100 --out ...` with src and with e8d93c3's src (carried as
 #     carry_sched/old_src/src on PYTHONPATH): row_freeing_{ce392be,e8d93c3,primitives}_h100.json.
+# Forty-second session (one H100 a call, fresh): library 951ae32 (the strides, and prepare's crash fixed) with
+#     --policies no_spec fixed_3 fixed_7 hardware_aware hardware_aware_hazards_only --requests-per-slot 32 at c = 4 1
+#     (257 s) and at c = 4 (147 s): serving_static_code50m_strides_h100_{c4_1,c4_second}.* (the first try, on 89658ff,
+#     crashed in prepare). Since then (11499d9) the hazards alone are the default and hardware_aware_strides the variant.
 # Next (one call each, carry_sched; move demo_models/, drafters/ and benchmarks/results/ aside first; a device call
 #     returns at most eight files, so write fewer or split):
-#     1. first, the strides (a43caaa; not yet on the GPU): the command below at c = 4 1 (--requests-per-slot 32) with
-#        --policies no_spec fixed_3 fixed_7 hardware_aware hardware_aware_hazards_only, where the hazards-only chooser
-#        ran γ = 7 and served 0.960 and 0.972 x fixed γ = 3 on 12-06; then at 128 64 (8);
+#     1. first, refined rounds kept out of the average row (11499d9; not yet on the GPU): the command below at c = 4 1
+#        (--requests-per-slot 32) with --policies no_spec fixed_3 fixed_7 hardware_aware hardware_aware_strides
+#        (on 12-06 before it: hazards alone 0.996 / 0.992 x fixed γ = 3 at c = 4, strides 0.964 / 0.977); then at
+#        128 64 (8);
 #     2. `PYTHONPATH=src python -m pytest -q -p no:hypothesispytest -n 0 tests/test_cuda_graphs.py tests/test_tensor_ops.py`
 #        (the whole file, more than 270 s on a fresh machine);
 #     3. the per-row rates leave out a drafting engine's dearer admissions and its rounds' fewer requests
