@@ -226,8 +226,10 @@ class RoundWidthChooser:
         tokens per round at 1.754 from the hazards and 1.812 from the strides, where γ = 3's own rounds commit 1.823.
         Another width's refresh rounds start where the choice's rounds did, not where its own would, so they are not
         counted here."""
+        if not self.strides:
+            return None
         walked = max(self.widths, key=lambda x: self._stride_rounds[x][x])  # (the choice of late)
-        if not self.strides or self._stride_rounds[walked][walked] < STRIDE_ROWS:
+        if self._stride_rounds[walked][walked] < STRIDE_ROWS:
             return None
         committed = self._stride_committed[walked]
         return [committed / rounds for rounds in self._stride_rounds[walked]]
@@ -456,7 +458,7 @@ class RoundWidthChooser:
         if not refined:
             rows_with = Counter(accepted)
             self._count(width, rows_with, len(accepted), self._reached, self._accepted)
-            if width == bucket.best:  # (another width's rounds start where the choice's did)
+            if self.strides and width == bucket.best:  # (another width's rounds start where the choice's did)
                 self._count_strides(width, rows_with)
             self._expected = None
         self._state_expected.clear()  # (each state's prior is the average row's)
