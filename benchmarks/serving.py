@@ -655,6 +655,9 @@ def run_static_cells(target, drafter, prompts, concurrency: int, names: list[str
             cell["chooser"] = {str(rows) if requests == rows else f"{rows}/{requests}":
                                {str(width): times for width, times in widths.items()}
                                for (rows, requests), widths in engine.runner.chooser.summary().items()}
+            chooser = engine.runner.chooser  # the admission milliseconds each width's committed token brings about
+            cell["chooser_admission"] = {"ratio": chooser.admission_ratio, "ms_per_token": {
+                str(width): 1e3 * chooser.admission_per_token(width) for width in chooser.widths}}
         return cell
 
     runs: dict[str, list[dict]] = {name: [] for name in names}

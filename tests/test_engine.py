@@ -550,6 +550,11 @@ class RecordingWidths(RandomWidths):
     def __init__(self, widths, seed: int):
         super().__init__(widths, seed)
         self.calls, self.captured, self.seconds, self.states, self.overheads, self.refined = [], [], [], [], [], []
+        self.admissions = []
+
+    def record_admission(self, seconds: float, requests: int, prompt_context: bool = True) -> None:
+        self.admissions.append((seconds, requests, prompt_context))
+        super().record_admission(seconds, requests, prompt_context)
 
     def choose(self, rows: int = 0, requests: int | None = None) -> int:
         width = super().choose(rows)
@@ -844,6 +849,58 @@ def test_static_engine_admits_without_the_prompts_drafter_context_after_a_run_of
     engine.run()
     assert late.tokens == solo(target, late.prompt_ids, 12)
     assert int(rounds.drafter_start[0]) == int(rounds.pad[0]) and runner.admitted_without_prompt_context == 2
+
+
+def test_static_engine_tells_its_chooser_each_admission_and_its_kind(models, monkeypatch):
+    """Every admission into running rows reaches the chooser (not the first prefill, which sets up every row: here
+    `warm_up`'s): its seconds (here each chunked admission takes 50 ms more), its requests, and whether they joined
+    with their prompts' drafter context (not in a long run of plain rounds). `warm_up` sets the chooser's `admission_ratio` from the two admission graphs' times (here the one
+    without the drafter's context takes half as long)."""
+    from dspark_hf.generation import static_rows
+
+    monkeypatch.setattr(static_rows, "PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER", 3)
+    target, drafter = models
+    engine = DSparkEngine(target, drafter, max_batch_size=3, max_model_len=64, static=True, policy="hardware_aware",
+                          default_sampling={"temperature": 0})
+    runner = engine.runner
+    runner.chooser = chooser = RecordingWidths(runner.chooser.widths, seed=5)
+    chooser.plain_share = 1.0
+    prefill = runner.admission.prefill
+
+    def timed_prefill(input_ids, attention_mask, prompt_context=True):
+        time.sleep(0.004 if prompt_context else 0.002)
+        return prefill(input_ids, attention_mask, prompt_context)
+
+    monkeypatch.setattr(runner.admission, "prefill", timed_prefill)
+    engine.warm_up(progress=False, freeze_gc=False)
+    assert 0.4 < chooser.admission_ratio < 0.8
+    monkeypatch.setattr(runner.admission, "prefill", prefill)
+    admit = runner.admission.admit
+
+    def slow_admit(*args, **kwargs):
+        time.sleep(0.05)
+        return admit(*args, **kwargs)
+
+    monkeypatch.setattr(runner.admission, "admit", slow_admit)
+    engine.add_request([5, 6, 7], max_tokens=30)  # (joins rows that `warm_up` set up: a timed admission)
+    for _ in range(4):  # plain rounds only
+        engine.step()
+    engine.add_request([8, 9, 10], max_tokens=6)
+    engine.step()  # joins without its prompt's drafter context
+    chooser.plain_share = 0.0
+    for _ in range(2):
+        engine.step()
+    engine.add_request([11, 12], max_tokens=6)
+    engine.step()  # after a drafting round: with its prompt's context
+    assert [(requests, context) for _, requests, context in chooser.admissions] == [(1, True), (1, False), (1, True)]
+    assert all(0.05 <= seconds < 0.5 for seconds, _, _ in chooser.admissions)
+    engine.run()
+    cold = DSparkEngine(target, drafter, max_batch_size=3, max_model_len=64, static=True, policy="hardware_aware",
+                        default_sampling={"temperature": 0})
+    cold.runner.chooser = chooser = RecordingWidths(cold.runner.chooser.widths, seed=5)
+    cold.add_request([5, 6, 7], max_tokens=4)
+    cold.step()  # the first prefill, of every row
+    assert chooser.admissions == [] and chooser.admission_ratio == 1.0
 
 
 def test_static_engine_forgets_old_pending_context_instead_of_flushing_in_a_long_run_of_plain_rounds(models,

@@ -16,6 +16,7 @@ greedy graph; one with any sampled request runs the sampled graph, in which each
 from __future__ import annotations
 
 import bisect
+import statistics
 import time
 from collections.abc import Iterable
 from contextlib import nullcontext
@@ -24,6 +25,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from ..devices import synchronize
 from ..models import DSparkDraftModel
 from ..scheduling import RoundWidthChooser
 from ..scheduling.round_widths import AFTER_PLAIN, FULL
@@ -210,6 +212,8 @@ class StaticRows:
         prompt_context = not self._in_a_long_plain_run()
         if not prompt_context and self.rounds.drafter is not None and self.started:
             self.admitted_without_prompt_context += len(rows)
+        timed = self.chooser is not None and self.started  # (the first prefill, of every row, is no steady cost)
+        started = time.perf_counter()
         with self._part("prefill"):
             for group in self._groups(rows):
                 slots, free = free[: len(group)], free[len(group):]
@@ -235,6 +239,8 @@ class StaticRows:
                     self.acceptance_states[slot] = AFTER_PLAIN
                     first[id(row)] = token
                 self._owners_changed()
+        if timed:  # (the first tokens read above: the device is done)
+            self.chooser.record_admission(time.perf_counter() - started, len(rows), prompt_context)
         for row in rows:
             row.ids.append(first[id(row)])
         return [[first[id(row)]] for row in rows]
@@ -298,8 +304,27 @@ class StaticRows:
                 for _ in range(WARM_UP_CALLS):  # the admission chunk (its scratch caches only)
                     self.admission.prefill(prompt, torch.ones_like(prompt), prompt_context)
                 bar.update()
+        if len(chunks) == 2 and self.chooser is not None:
+            self.chooser.admission_ratio = self._admission_ratio(prompt)
         self.pending = [0] * self.batch_size
         return len(graphs) + len(flushes) + len(chunks)
+
+    def _admission_ratio(self, prompt: torch.LongTensor, calls: int = 8) -> float:
+        """The admission chunk's time without the prompts' drafter context over its time with it (the median of
+        `calls` timed runs of each, at most 1): the chooser's estimate of what a long run of plain rounds saves on
+        each admission (`RoundWidthChooser.admission_ratio`) until it has measured both kinds."""
+        device = self.rounds.target.device
+        times = {}
+        for prompt_context in (True, False):
+            runs = []
+            for _ in range(calls):
+                synchronize(device)
+                started = time.perf_counter()
+                self.admission.prefill(prompt, torch.ones_like(prompt), prompt_context)
+                synchronize(device)
+                runs.append(time.perf_counter() - started)
+            times[prompt_context] = statistics.median(runs)
+        return min(1.0, times[False] / times[True])
 
     def _in_a_long_plain_run(self) -> bool:
         """Whether the last `PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER` rounds were plain: requests then join without

@@ -191,6 +191,16 @@ class RoundWidthChooser:
         self._state_rates: tuple | None = None  # `prepare`'s (group, each width's seconds, each state's rates)
         self._records_since_prepared = 0
         self._last_width: int | None = None  # the last recorded round's width
+        # admissions (`record_admission`): per kind (with the prompts' drafter context: True; without: False) the
+        # last `window` admissions' (seconds, requests); the requests admitted and the tokens committed since the
+        # start, both decayed at every recorded round
+        self._admissions: dict[bool, deque[tuple[float, int]]] = {True: deque(maxlen=window),
+                                                                  False: deque(maxlen=window)}
+        self._admitted = self._committed = 0.0
+        self._request_seconds: dict[bool, float | None] = {}  # `_seconds_per_request`, until the next admission
+        # a request's admission without the drafter's context over one with it, until both are measured
+        # (`StaticRows.warm_up` times the two admission graphs; 1: no saving assumed)
+        self.admission_ratio = 1.0
         self.state_prior, self.state_rows, self.state_every = state_prior, state_rows, state_every
         self.strides = strides
         self.switch_confidence, self.draws = switch_confidence, draws
@@ -295,7 +305,7 @@ class RoundWidthChooser:
             return
         self._records_since_prepared = 0
         self._fold_states()
-        seconds = [self._cost(width, group) for width in self.widths]
+        seconds = [self._cost(width, group, requests) for width in self.widths]
         if None in seconds:
             self._state_rates = None
             return
@@ -306,24 +316,64 @@ class RoundWidthChooser:
         tokens = self.state_tokens(state)
         return [tokens[width] / time for width, time in zip(self.widths, seconds)]
 
-    def _rates(self, times: dict[int, float]) -> dict[int, float]:
-        """Each width's expected tokens per second and row, its rounds taking `times`."""
-        return {width: self.expected_tokens(width) / seconds for width, seconds in times.items()}
+    def _rates(self, times: dict[int, float], requests: int = 1) -> dict[int, float]:
+        """Each width's expected tokens per second and row, its rounds (of `requests` requests) taking `times` and
+        the admissions their tokens bring about (`admission_per_token`)."""
+        return {width: self._rate(self.expected_tokens(width), seconds, requests * self.admission_per_token(width))
+                for width, seconds in times.items()}
 
-    def confidence(self, challenger: int, incumbent: int, times: dict[int, float]) -> float:
+    @staticmethod
+    def _rate(tokens: float, seconds: float, admission: float) -> float:
+        """Tokens per second and row of rounds that take `seconds` and commit `tokens` a row, each token of the
+        round's bringing about `admission` seconds of admissions."""
+        return tokens / (seconds + tokens * admission)
+
+    def confidence(self, challenger: int, incumbent: int, times: dict[int, float], requests: int = 1) -> float:
         """The share of `draws` joint draws of the hazards from their Beta posteriors in which `challenger`'s rate
-        beats `incumbent`'s by `switch_margin` (rounds taking `times`)."""
+        beats `incumbent`'s by `switch_margin` (rounds of `requests` requests taking `times`)."""
         wins = 0
         pooled = list(itertools.accumulate(self.survival(), initial=1.0))
         scale = {width: self.expected_tokens(width) / pooled[width] for width in (challenger, incumbent)}
+        admission = {width: requests * self.admission_per_token(width) for width in (challenger, incumbent)}
         for _ in range(self.draws):  # (each draw's tokens scaled as `_stride_tokens` corrects the hazards' estimate)
             hazards = (self._rng.betavariate(accepted + 1, reached - accepted + 1)
                        for reached, accepted in zip(self._reached, self._accepted))
             tokens = list(itertools.accumulate(itertools.accumulate(hazards, operator.mul), initial=1.0))
-            lead = (scale[challenger] * tokens[challenger] / times[challenger]
-                    / (scale[incumbent] * tokens[incumbent] / times[incumbent]))
-            wins += lead > 1 + self.switch_margin
+            rate = {width: self._rate(scale[width] * tokens[width], times[width], admission[width])
+                    for width in (challenger, incumbent)}
+            wins += rate[challenger] > (1 + self.switch_margin) * rate[incumbent]
         return wins / self.draws
+
+    def record_admission(self, seconds: float, requests: int, prompt_context: bool = True) -> None:
+        """An admission of `requests` requests that took `seconds` (prefill and first tokens, until the host has
+        them), `prompt_context`: with their prompts' drafter context (False: the engine was in a long run of plain
+        rounds, `StaticRows`)."""
+        if requests > 0:
+            self._admissions[prompt_context].append((seconds, requests))
+            self._admitted += requests
+            self._request_seconds.pop(prompt_context, None)
+
+    def admission_per_token(self, width: int) -> float:
+        """The admission seconds a committed token brings about in rounds of `width`: the requests admitted per token
+        committed, times a request's admission seconds, from the drafter's context or without it (for plain rounds,
+        as in a long run of them: measured, else `admission_ratio` × with it). 0 before any admission."""
+        if not self._admitted or not self._committed:
+            return 0.0
+        seconds = self._seconds_per_request(width != 0)
+        if seconds is None:  # (only the other kind measured so far)
+            seconds = self._seconds_per_request(width == 0)
+            if seconds is None:
+                return 0.0
+            seconds *= self.admission_ratio if width == 0 else 1 / self.admission_ratio
+        return seconds * self._admitted / self._committed
+
+    def _seconds_per_request(self, prompt_context: bool) -> float | None:
+        """The mean admission seconds of a request of the last `window` admissions of one kind (None: none yet)."""
+        if prompt_context not in self._request_seconds:
+            kept = self._admissions[prompt_context]
+            self._request_seconds[prompt_context] = (sum(seconds for seconds, _ in kept)
+                                                     / sum(requests for _, requests in kept)) if kept else None
+        return self._request_seconds[prompt_context]
 
     @staticmethod
     def group(rows: int, requests: int | None = None) -> tuple[int, int]:
@@ -353,18 +403,21 @@ class RoundWidthChooser:
                     abs(math.log2(max(other_requests, 1) / max(requests, 1))), -other_rows, -other_requests)
         return self._buckets[min(measured, key=distance)].seconds(width)
 
-    def _cost(self, width: int, group: tuple[int, int]) -> float | None:
-        """`width`'s seconds a round in `group`: its round time (`_seconds`) and the server's step around a round
-        (`record`'s `overhead`, every width's; 0 where none was told). None: not measured yet."""
+    def _cost(self, width: int, group: tuple[int, int], requests: int | None = None) -> float | None:
+        """`width`'s seconds a round in `group` of `requests` requests (None: the group's rows): its round time
+        (`_seconds`), the server's step around a round (`record`'s `overhead`, every width's; 0 where none was told)
+        and the admissions its rows' expected tokens bring about (`admission_per_token`). None: not measured yet."""
         seconds = self._seconds(width, group)
         if seconds is None:
             return None
-        return seconds + (self._buckets[group].overhead() if group in self._buckets else 0.0)
+        requests = group[0] if requests is None else requests
+        return (seconds + (self._buckets[group].overhead() if group in self._buckets else 0.0)
+                + requests * self.expected_tokens(width) * self.admission_per_token(width))
 
     def throughput(self, width: int, rows: int = 0, requests: int | None = None) -> float | None:
         """Expected committed tokens per second and row for `width` in rounds of `rows` rows holding `requests`
         requests (None: all; None returned: not measured yet)."""
-        cost = self._cost(width, self.group(rows, requests))
+        cost = self._cost(width, self.group(rows, requests), requests)
         return None if cost is None else self.expected_tokens(width) / cost
 
     def choose(self, rows: int = 0, requests: int | None = None) -> int:
@@ -391,11 +444,12 @@ class RoundWidthChooser:
             return width
         overhead = bucket.overhead()
         costs = {width: seconds + overhead for width, seconds in times.items()}
-        self.rates = rates = self._rates(costs)
+        requests = rows if requests is None else requests
+        self.rates = rates = self._rates(costs, requests)
         best = max(self.widths, key=rates.__getitem__)
         if bucket.best is not None and best != bucket.best and (
                 rates[best] < (1 + self.switch_margin) * rates[bucket.best]
-                or self.confidence(best, bucket.best, costs) < self.switch_confidence):
+                or self.confidence(best, bucket.best, costs, requests) < self.switch_confidence):
             best = bucket.best
         if best != bucket.best and bucket.best is not None and bucket.confirming != best:
             bucket.confirming = best  # time it afresh (`samples` rounds in a row) before it replaces the choice
@@ -441,6 +495,8 @@ class RoundWidthChooser:
         bucket = self._bucket(group)
         if overhead is not None:
             bucket.add_overhead(overhead)
+        self._committed = self._committed * self.decay + len(accepted) + sum(accepted)
+        self._admitted *= self.decay
         bucket.last_run[width] = bucket.rounds
         bucket.runs[width] += 1
         self._records_since_prepared += 1
@@ -452,7 +508,8 @@ class RoundWidthChooser:
             if width != bucket.best and after_other:
                 log_seconds -= bucket.switch_cost()
             bucket.add(width, log_seconds, after_other,
-                       may_retime=width == bucket.best or self._could_lead(width, math.exp(log_seconds), group))
+                       may_retime=width == bucket.best or self._could_lead(width, math.exp(log_seconds), group,
+                                                                          requests))
         if width == 0 or not accepted:
             return
         if not refined:
@@ -516,14 +573,16 @@ class RoundWidthChooser:
         for narrower in range(width + 1):  # (ceil((accepted + 1) / (narrower + 1)) rounds per row)
             rounds[narrower] += sum(-(-(accepted + 1) // (narrower + 1)) * count for accepted, count in rows)
 
-    def _could_lead(self, width: int, seconds: float, group: tuple[int, int]) -> bool:
+    def _could_lead(self, width: int, seconds: float, group: tuple[int, int], requests: int | None = None) -> bool:
         """Whether `width`, if its rounds took `seconds`, would reach the chosen width's expected rate in `group`
         (a faster refresh of a width that would still trail is kept as one more time, not a reason to retime it)."""
         bucket = self._buckets[group]
         if bucket.best is None:
             return True
-        chosen = self._cost(bucket.best, group)
-        return chosen is None or (self.expected_tokens(width) / (seconds + bucket.overhead())
+        chosen = self._cost(bucket.best, group, requests)
+        requests = group[0] if requests is None else requests
+        admission = requests * self.admission_per_token(width)
+        return chosen is None or (self._rate(self.expected_tokens(width), seconds + bucket.overhead(), admission)
                                   >= self.expected_tokens(bucket.best) / chosen)
 
     def summary(self) -> dict[tuple[int, int], dict[int, dict[str, float | None]]]:
