@@ -854,8 +854,9 @@ def test_static_engine_admits_without_the_prompts_drafter_context_after_a_run_of
 def test_static_engine_tells_its_chooser_each_admission_and_its_kind(models, monkeypatch):
     """Every admission into running rows reaches the chooser (not the first prefill, which sets up every row: here
     `warm_up`'s): its seconds (here each chunked admission takes 50 ms more), its requests, and whether they joined
-    with their prompts' drafter context (not in a long run of plain rounds). `warm_up` sets the chooser's `admission_ratio` from the two admission graphs' times (here the one
-    without the drafter's context takes half as long)."""
+    with their prompts' drafter context (not in a long run of plain rounds). `warm_up` sets the chooser's
+    `admission_ratio` from the two admission graphs' times (here the one without the drafter's context takes half
+    as long)."""
     from dspark_hf.generation import static_rows
 
     monkeypatch.setattr(static_rows, "PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER", 3)
