@@ -550,11 +550,15 @@ class RecordingWidths(RandomWidths):
     def __init__(self, widths, seed: int):
         super().__init__(widths, seed)
         self.calls, self.captured, self.seconds, self.states, self.overheads, self.refined = [], [], [], [], [], []
-        self.admissions = []
+        self.admissions, self.finished = [], []
 
     def record_admission(self, seconds: float, requests: int, prompt_context: bool = True) -> None:
         self.admissions.append((seconds, requests, prompt_context))
         super().record_admission(seconds, requests, prompt_context)
+
+    def record_finished(self, tokens: int, requests: int = 1) -> None:
+        self.finished.append((tokens, requests))
+        super().record_finished(tokens, requests)
 
     def choose(self, rows: int = 0, requests: int | None = None) -> int:
         width = super().choose(rows)
@@ -856,7 +860,7 @@ def test_static_engine_tells_its_chooser_each_admission_and_its_kind(models, mon
     `warm_up`'s): its seconds (here each chunked admission takes 50 ms more), its requests, and whether they joined
     with their prompts' drafter context (not in a long run of plain rounds). `warm_up` sets the chooser's
     `admission_ratio` from the two admission graphs' times (here the one without the drafter's context takes half
-    as long)."""
+    as long). Every request that leaves its row tells the chooser the tokens it committed."""
     from dspark_hf.generation import static_rows
 
     monkeypatch.setattr(static_rows, "PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER", 3)
@@ -883,19 +887,21 @@ def test_static_engine_tells_its_chooser_each_admission_and_its_kind(models, mon
         return admit(*args, **kwargs)
 
     monkeypatch.setattr(runner.admission, "admit", slow_admit)
-    engine.add_request([5, 6, 7], max_tokens=30)  # (joins rows that `warm_up` set up: a timed admission)
+    handles = [engine.add_request([5, 6, 7], max_tokens=30)]  # (joins rows `warm_up` set up: timed)
     for _ in range(4):  # plain rounds only
         engine.step()
-    engine.add_request([8, 9, 10], max_tokens=6)
+    handles.append(engine.add_request([8, 9, 10], max_tokens=6))
     engine.step()  # joins without its prompt's drafter context
     chooser.plain_share = 0.0
     for _ in range(2):
         engine.step()
-    engine.add_request([11, 12], max_tokens=6)
+    handles.append(engine.add_request([11, 12], max_tokens=6))
     engine.step()  # after a drafting round: with its prompt's context
     assert [(requests, context) for _, requests, context in chooser.admissions] == [(1, True), (1, False), (1, True)]
     assert all(0.05 <= seconds < 0.5 for seconds, _, _ in chooser.admissions)
     engine.run()
+    assert sum(requests for _, requests in chooser.finished) == 3  # each request's tokens once, when it leaves
+    assert sum(tokens for tokens, _ in chooser.finished) == sum(len(handle.tokens) for handle in handles)
     cold = DSparkEngine(target, drafter, max_batch_size=3, max_model_len=64, static=True, policy="hardware_aware",
                         default_sampling={"temperature": 0})
     cold.runner.chooser = chooser = RecordingWidths(cold.runner.chooser.widths, seed=5)

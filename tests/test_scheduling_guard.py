@@ -609,6 +609,7 @@ def drive_with_admissions(chooser: RoundWidthChooser, rounds: int, seconds: dict
         owed += (16 + sum(accepted)) / tokens_per_request
         if owed >= 1:
             joining, owed = int(owed), owed - int(owed)
+            chooser.record_finished(joining * tokens_per_request, joining)
             context = plain_run < 4
             chooser.record_admission(joining * request_seconds[context], joining, prompt_context=context)
         chosen.append(width)
@@ -620,11 +621,11 @@ def test_width_chooser_counts_the_admissions_a_width_brings_about():
     leaves after 8 tokens and its successor's admission takes 0.2 s with the drafter's context of its prompt: every
     width's tokens bring the same admissions about, and width 3 still leads (by 17 %). A long run of plain rounds
     admits without that context: at 0.04 s a request, plain leads by 11 %. The chooser counts a width's admissions
-    per committed token, from the requests admitted per token and a request's admission seconds of the kind that
-    width brings about; for plain rounds, until some were admitted without the context, `admission_ratio` times the
-    other kind's (`StaticRows.warm_up` times the two admission graphs). So it moves to plain where the saving is
-    real, and back to width 3 once plain's admissions, measured, save nothing. (On an H100 at c = 128 a drafting
-    engine's admissions cost 9 % more than plain decoding's, a third of the serving time.)"""
+    per committed token: a request's admission seconds of the kind that width brings about (for plain rounds, until
+    some were admitted without the context, `admission_ratio` times the other kind's: `StaticRows.warm_up` times the
+    two admission graphs) over the tokens a request commits. So it moves to plain where the saving is real, and back
+    to width 3 once plain's admissions, measured, save nothing. (On an H100 at c = 128 a drafting engine's admissions
+    cost 9 % more than plain decoding's, a third of the serving time.)"""
     seconds = {0: 1.0, 3: 1.5}
     for request_seconds, ratio, best in (({True: 0.0, False: 0.0}, 1.0, 3), ({True: 0.2, False: 0.2}, 1.0, 3),
                                          ({True: 0.2, False: 0.04}, 0.2, 0)):

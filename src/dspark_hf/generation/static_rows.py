@@ -364,6 +364,9 @@ class StaticRows:
             return
         gone = {id(row) for row in rows}
         freed = [index for index in self.occupied if id(self.owner[index]) in gone]
+        if self.chooser is not None:  # (each makes room for an admission: `RoundWidthChooser.admission_per_token`)
+            self.chooser.record_finished(sum(len(self.owner[index].ids) - self.owner[index].prompt_len
+                                             for index in freed), len(freed))
         for index in freed:
             self.owner[index] = None
             self.pending[index] = 0

@@ -61,6 +61,19 @@ rounds right after another width's are kept apart (`after_switch`, not in its re
 `window` of them, relative to the reference (`switch_cost`), is taken off the time of every round of another width
 that followed a round of a different width.
 
+A round's tokens also bring admissions about: a request that finishes makes room for the next, whose prefill runs
+between rounds. Per committed token that costs the same whatever the width, except that after a long run of plain
+rounds requests join without their prompts' drafter context (`StaticRows`), which a drafting round's requests need:
+on an H100 at c = 128 a drafting engine's admission took 0.22 ms a request against plain decoding's 0.20, and
+admissions took a third of the serving time, so plain decoding served 1.055 x fixed γ = 3 where the rounds alone put
+them within 2 %. So each width's cost also holds `requests` x its expected tokens x `admission_per_token`: a
+request's admission seconds (`record_admission`: the mean over the last `window` admissions of the kind that width
+brings about; a plain round's, until some requests joined without the context, `admission_ratio` x the other's,
+which `StaticRows.warm_up` sets from the two admission graphs' times) over the tokens a request commits before it
+leaves (`record_finished`; not the requests admitted per token committed: every run of the benchmark starts by
+admitting a request into each row, which kept that rate high for hundreds of rounds).
+Without admissions (the CPU twins) it is 0.
+
 Times are kept per group of rounds (`group`): the number of rows the rounds run (the engine runs the smallest prefix of
 its rows in its graph sizes that holds every request) and, up to a power of two, how many of them hold a request, since
 the host's work on a round's tokens grows with the requests (on an H100 at c = 64, the last rounds of a run, 1-23
@@ -192,11 +205,11 @@ class RoundWidthChooser:
         self._records_since_prepared = 0
         self._last_width: int | None = None  # the last recorded round's width
         # admissions (`record_admission`): per kind (with the prompts' drafter context: True; without: False) the
-        # last `window` admissions' (seconds, requests); the requests admitted and the tokens committed since the
-        # start, both decayed at every recorded round
+        # last `window` admissions' (seconds, requests); the requests that left and the tokens they committed
+        # (`record_finished`), both decayed at every call
         self._admissions: dict[bool, deque[tuple[float, int]]] = {True: deque(maxlen=window),
                                                                   False: deque(maxlen=window)}
-        self._admitted = self._committed = 0.0
+        self._finished = self._finished_tokens = 0.0
         self._request_seconds: dict[bool, float | None] = {}  # `_seconds_per_request`, until the next admission
         # a request's admission without the drafter's context over one with it, until both are measured
         # (`StaticRows.warm_up` times the two admission graphs; 1: no saving assumed)
@@ -350,14 +363,21 @@ class RoundWidthChooser:
         rounds, `StaticRows`)."""
         if requests > 0:
             self._admissions[prompt_context].append((seconds, requests))
-            self._admitted += requests
             self._request_seconds.pop(prompt_context, None)
 
+    def record_finished(self, tokens: int, requests: int = 1) -> None:
+        """`requests` requests left their rows (finished or cancelled), having committed `tokens` tokens in all: each
+        makes room for an admission."""
+        if requests > 0:
+            self._finished = self._finished * self.decay + requests
+            self._finished_tokens = self._finished_tokens * self.decay + tokens
+
     def admission_per_token(self, width: int) -> float:
-        """The admission seconds a committed token brings about in rounds of `width`: the requests admitted per token
-        committed, times a request's admission seconds, from the drafter's context or without it (for plain rounds,
-        as in a long run of them: measured, else `admission_ratio` × with it). 0 before any admission."""
-        if not self._admitted or not self._committed:
+        """The admission seconds a committed token brings about in rounds of `width`: a request's admission seconds,
+        with the drafter's context or without it (for plain rounds, as in a long run of them: measured, else
+        `admission_ratio` × with it), over the tokens a request commits before it leaves. 0 before any admission or
+        before a request left."""
+        if not self._finished_tokens:
             return 0.0
         seconds = self._seconds_per_request(width != 0)
         if seconds is None:  # (only the other kind measured so far)
@@ -365,7 +385,7 @@ class RoundWidthChooser:
             if seconds is None:
                 return 0.0
             seconds *= self.admission_ratio if width == 0 else 1 / self.admission_ratio
-        return seconds * self._admitted / self._committed
+        return seconds * self._finished / self._finished_tokens
 
     def _seconds_per_request(self, prompt_context: bool) -> float | None:
         """The mean admission seconds of a request of the last `window` admissions of one kind (None: none yet)."""
@@ -495,8 +515,6 @@ class RoundWidthChooser:
         bucket = self._bucket(group)
         if overhead is not None:
             bucket.add_overhead(overhead)
-        self._committed = self._committed * self.decay + len(accepted) + sum(accepted)
-        self._admitted *= self.decay
         bucket.last_run[width] = bucket.rounds
         bucket.runs[width] += 1
         self._records_since_prepared += 1
