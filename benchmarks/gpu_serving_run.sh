@@ -172,12 +172,16 @@
 #     --policies no_spec fixed_3 fixed_7 hardware_aware hardware_aware_hazards_only --requests-per-slot 32 at c = 4 1
 #     (257 s) and at c = 4 (147 s): serving_static_code50m_strides_h100_{c4_1,c4_second}.* (the first try, on 89658ff,
 #     crashed in prepare). Since then (11499d9) the hazards alone are the default and hardware_aware_strides the variant.
+# Forty-third session (one H100 a call, fresh): library 6267ea7 (refined rounds apart) with --policies no_spec fixed_3
+#     fixed_7 hardware_aware hardware_aware_strides --requests-per-slot 32 at c = 4 1 (247 s), then no_spec fixed_3
+#     fixed_7 hardware_aware --requests-per-slot 8 at c = 128 64 (218 s): serving_static_code50m_refined_h100_*;
+#     then library 33e9468 (admissions counted) at c = 128 64 (319 s): serving_static_code50m_admissions_h100_c128_64.*.
 # Next (one call each, carry_sched; move demo_models/, drafters/ and benchmarks/results/ aside first; a device call
 #     returns at most eight files, so write fewer or split):
-#     1. first, refined rounds kept out of the average row (11499d9; not yet on the GPU): the command below at c = 4 1
-#        (--requests-per-slot 32) with --policies no_spec fixed_3 fixed_7 hardware_aware hardware_aware_strides
-#        (on 12-06 before it: hazards alone 0.996 / 0.992 x fixed γ = 3 at c = 4, strides 0.964 / 0.977); then at
-#        128 64 (8);
+#     1. first, the admission rate from leaving requests' tokens (record_finished; not yet on the GPU): the command
+#        below at c = 128 64 (--requests-per-slot 8, --policies no_spec fixed_3 fixed_7 hardware_aware), on a quiet
+#        machine (33e9468 served 0.973-0.983 x no speculation at c = 128 run by run, 6267ea7 0.955-0.966 on another
+#        H100); then c = 4 1 (32);
 #     2. `PYTHONPATH=src python -m pytest -q -p no:hypothesispytest -n 0 tests/test_cuda_graphs.py tests/test_tensor_ops.py`
 #        (the whole file, more than 270 s on a fresh machine);
 #     3. the per-row rates leave out a drafting engine's dearer admissions and its rounds' fewer requests
