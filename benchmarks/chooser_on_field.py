@@ -16,7 +16,10 @@ while the round before runs (before that round is recorded), `refine`d once the 
 the round. So it replays what `chooser_on_text.py` measures (its fixed widths exactly, the chooser to within the
 drafter context a long plain run drops) about a thousand times faster, which makes seeds cheap: each policy's tokens
 per second is reported per seed (the noise's and the chooser's draws), and hardware-aware's ratio to the best fixed
-width as mean ± standard error over the seeds.
+width as mean ± standard error over the seeds. `--admission-ms` charges each request's admission (with its prompt's
+drafter context, or without it for plain decoding and for the chooser after a long run of plain rounds) and tells the
+chooser of it, as `StaticRows` does (`--untold-admissions`: charged but not told); the acceptance of rows that joined
+without the context is taken as that of the others (on the GPU it is lower until the context fills).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from chooser_replay import MeasuredMachine, run_machines
 from common import environment
 from serving import request_count, request_lengths
 
+from dspark_hf.generation.static_rows import PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER
 from dspark_hf.scheduling.round_widths import AFTER_PLAIN, FULL, RoundWidthChooser
 
 WIDTHS = (0, 1, 3, 7)
@@ -49,14 +53,20 @@ class FieldRows:
         self.requests: list[tuple[int, int] | None] = [None] * concurrency  # (field row, tokens left to commit)
         self.position = [0] * concurrency  # each row's anchor: its request's new tokens committed, less one
         self.states = [AFTER_PLAIN] * concurrency  # each row's `acceptance_state` after its last round
+        self.lengths = [0] * concurrency  # each row's request's tokens
+        self.finished: list[int] = []  # the tokens of the requests that left in the last round
 
-    def admit(self, waiting: list[tuple[int, int]]) -> None:
+    def admit(self, waiting: list[tuple[int, int]]) -> int:
         """Joins waiting (field row, length) requests into the free rows, lowest first; the prefill commits a
-        request's first token."""
+        request's first token. Returns how many joined."""
+        joined = 0
         for slot in range(self.concurrency):
             if self.requests[slot] is None and waiting:
                 field_row, length = waiting.pop(0)
                 self.requests[slot], self.position[slot], self.states[slot] = (field_row, length - 1), 0, AFTER_PLAIN
+                self.lengths[slot] = length
+                joined += 1
+        return joined
 
     def occupied(self) -> list[int]:
         return [slot for slot, request in enumerate(self.requests) if request is not None]
@@ -64,13 +74,15 @@ class FieldRows:
     def round(self, width: int) -> list[int]:
         """One round verifying `width` drafts of every row: each occupied row's accepted drafts (as the engine
         records them: not cut at the request's end); finished requests leave."""
-        accepted_drafts = []
+        accepted_drafts, self.finished = [], []
         for slot in self.occupied():
             field_row, left = self.requests[slot]
             accepted = min(self.field[field_row][self.position[slot]], width)
             committed = min(accepted + 1, left)
             self.position[slot] += committed
             self.requests[slot] = (field_row, left - committed) if left > committed else None
+            if left <= committed:
+                self.finished.append(self.lengths[slot])
             accepted_drafts.append(accepted)
         return accepted_drafts
 
@@ -78,19 +90,28 @@ class FieldRows:
 def serve(field: list[list[int]], lengths: list[int], rows: FieldRows, width: int | None,
           chooser: RoundWidthChooser | None, round_seconds: Callable[[int, float], float],
           switch_cost: float = 0.0, step_overhead: Callable[[int, float], float] | None = None,
-          overhead: str = "told") -> dict:
+          overhead: str = "told", admission: tuple[float, float] | None = None, told_admissions: bool = True) -> dict:
     """One run of requests of `lengths` (request i on field row i mod the field's rows): tokens, GPU seconds and
     rounds per width; a fixed `width`, or `chooser`'s choice each round, which takes `round_seconds(width, seconds
     of the run so far)`, times 1 + `switch_cost` after a round of another width, and `step_overhead(width, seconds
     of the run so far)` more for the server's step around it, which the chooser is told (`overhead`): as
     `RoundWidthChooser.record`'s overhead ("told", as the engine does), in the round's seconds ("folded") or not
-    ("none")."""
+    ("none"). `admission`: a request's admission seconds with its prompt's drafter context and without it (None:
+    free), the latter for plain decoding (`width` 0) and for the chooser's requests that join after
+    `PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER` plain rounds in a row, as `StaticRows` admits them; the chooser is
+    told each admission and each request that leaves (unless not `told_admissions`: as before 2026-12-06)."""
+    told_admissions = told_admissions and chooser is not None
     waiting = [(index % len(field), length) for index, length in enumerate(lengths)]
     seconds, widths, planned, unrecorded, drafted_last, last_width = 0.0, Counter(), None, None, False, None
-    states_current = True
+    states_current, plain_run = True, 0
     count = rows.concurrency
     while waiting or rows.occupied():
-        rows.admit(waiting)
+        joined = rows.admit(waiting)
+        if joined and admission is not None:
+            context = width != 0 and plain_run < PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER
+            seconds += joined * admission[0 if context else 1]
+            if told_admissions:
+                chooser.record_admission(joined * admission[0 if context else 1], joined, context)
         occupied = rows.occupied()
         states = None
         if chooser is not None:
@@ -116,9 +137,12 @@ def serve(field: list[list[int]], lengths: list[int], rows: FieldRows, width: in
             if len(occupied) <= chooser.state_rows:
                 chooser.prepare(count)
         accepted = rows.round(verify)
+        if told_admissions and rows.finished:
+            chooser.record_finished(sum(rows.finished), len(rows.finished))
         seconds += took + around
         widths[verify] += 1
         drafted_last = verify > 0
+        plain_run = 0 if verify else plain_run + 1
         if chooser is not None:
             told = {"told": (took, around), "folded": (took + around, None), "none": (took, None)}[overhead]
             unrecorded = (verify, told[0], accepted, count, False, states, told[1], refined)
@@ -153,6 +177,9 @@ def run_policy(field: list[list[int]], policy: str, concurrency: int, args, seed
     rng = random.Random(seed)
     rows = FieldRows(field, concurrency)
     chooser = RoundWidthChooser(WIDTHS, seed=seed, **chooser_options) if policy == "hardware_aware" else None
+    admission = None if args.admission_ms is None else (args.admission_ms[0] / 1e3, args.admission_ms[1] / 1e3)
+    if chooser is not None and admission is not None:  # (as `StaticRows.warm_up` times the two admission graphs)
+        chooser.admission_ratio = min(1.0, admission[1] / admission[0])
     width = None if chooser is not None else int(policy.removeprefix("fixed_"))
     times = {width: ms / 1e3 for width, ms in zip(WIDTHS, args.times)}
     clocks = [measured_times(machine) for machine in machines] if machines else \
@@ -160,9 +187,10 @@ def run_policy(field: list[list[int]], policy: str, concurrency: int, args, seed
     around = [measured_times(machine, "overhead") for machine in machines] if machines else [None] * len(clocks)
     warm_up = argparse.Namespace(**{**vars(args), "max_new_tokens": 8})
     serve(field, request_lengths(request_count(concurrency, warm_up), warm_up), rows, width, chooser, clocks[0],
-          args.switch_cost, around[0], args.overhead)
+          args.switch_cost, around[0], args.overhead, admission, not args.untold_admissions)
     lengths = request_lengths(request_count(concurrency, args), args)
-    return [serve(field, lengths, rows, width, chooser, clock, args.switch_cost, step_overhead, args.overhead)
+    return [serve(field, lengths, rows, width, chooser, clock, args.switch_cost, step_overhead, args.overhead,
+                  admission, not args.untold_admissions)
             for clock, step_overhead in zip(clocks[1: args.repeats + 1], around[1:])]
 
 
@@ -208,6 +236,12 @@ def main() -> None:
                         help="with --round-logs of 2026-12-06 on: the engine's step around each round (outside_ms) "
                              "costs every policy; hardware-aware is told it as RoundWidthChooser.record's overhead "
                              "(told, as the engine does), in the round's seconds (folded) or not at all (none)")
+    parser.add_argument("--admission-ms", type=float, nargs=2, metavar=("CONTEXT", "PLAIN"),
+                        help="a request's admission milliseconds with its prompt's drafter context and without it "
+                             "(plain decoding; the chooser after a long run of plain rounds); default: free (on an "
+                             "H100 at c = 128: 0.2225 and 0.2033)")
+    parser.add_argument("--untold-admissions", action="store_true",
+                        help="with --admission-ms: the admissions cost their time but the chooser is not told them")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     field = json.loads(args.field.read_text())["accepted"]

@@ -479,7 +479,9 @@ def test_acceptance_field_predicts_the_static_engines_rounds_on_the_code_fixture
 def test_chooser_on_field_serves_fixed_widths_exactly_and_runs_the_chooser_as_the_engine_does():
     """benchmarks/chooser_on_field.py on a made-up field: a fixed width commits min(field, width) + 1 tokens a round
     from each row's anchor (requests joining at once, lowest free row first, each cut at its length), every round
-    costs its width's time, and the chooser's rounds add up to the same tokens."""
+    costs its width's time, and the chooser's rounds add up to the same tokens. With `admission`, each request's
+    admission costs its kind's seconds (plain decoding's without the drafter's context), and the chooser is told each
+    admission and each request that leaves with its tokens."""
     import chooser_on_field
 
     field = [[7, 0, 3, 1, 7, 7, 2, 0] * 4, [0] * 32]
@@ -514,6 +516,27 @@ def test_chooser_on_field_serves_fixed_widths_exactly_and_runs_the_chooser_as_th
                                         clock, step_overhead=lambda width, _: 5e-4, overhead=overhead)
         assert around["gpu_seconds"] == pytest.approx(sum((times[w] + 5e-4) * n for w, n in around["rounds"].items()))
         assert chooser.summary()[2, 2][7]["overhead_ms"] == pytest.approx(told_ms)
+    for width, each in ((3, 2e-3), (0, 1e-3)):  # admissions: with the drafter's context 2 ms a request, without 1 ms
+        admitted = chooser_on_field.serve(field, lengths, chooser_on_field.FieldRows(field, 2), width, None, clock,
+                                          admission=(2e-3, 1e-3))
+        assert admitted["gpu_seconds"] == pytest.approx(times[width] * admitted["rounds"][width] + each * len(lengths))
+
+    class Told(RoundWidthChooser):
+        def record_admission(self, seconds, requests, prompt_context=True):
+            admissions.append((seconds, requests, prompt_context))
+
+        def record_finished(self, tokens, requests=1):
+            finished.append((tokens, requests))
+
+    admissions, finished = [], []
+    chosen = chooser_on_field.serve(field, lengths * 4, chooser_on_field.FieldRows(field, 2), None,
+                                    Told((0, 1, 3, 7)), clock, admission=(2e-3, 1e-3))
+    assert sum(requests for _, requests, _ in admissions) == sum(requests for _, requests in finished) == 16
+    assert sum(tokens for tokens, _ in finished) == 4 * sum(lengths)
+    assert chosen["gpu_seconds"] == pytest.approx(sum(times[w] * n for w, n in chosen["rounds"].items())
+                                                  + sum(seconds for seconds, _, _ in admissions))
+    assert all(seconds == pytest.approx(requests * (2e-3 if context else 1e-3))
+               for seconds, requests, context in admissions)
 
 
 def test_row_freeing_times_the_upkeep_and_leaves_the_rows_free():

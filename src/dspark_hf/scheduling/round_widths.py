@@ -70,7 +70,8 @@ them within 2 %. So each width's cost also holds `requests` x its expected token
 request's admission seconds (`record_admission`: the mean over the last `window` admissions of the kind that width
 brings about; a plain round's, until some requests joined without the context, `admission_ratio` x the other's,
 which `StaticRows.warm_up` sets from the two admission graphs' times) over the tokens a request commits before it
-leaves (`record_finished`; not the requests admitted per token committed: every run of the benchmark starts by
+leaves (`record_finished`: the mean of the last `window` departures, so that a serving benchmark's warm-up run of
+short requests is soon forgotten; not the requests admitted per token committed: every run of the benchmark starts by
 admitting a request into each row, which kept that rate high for hundreds of rounds).
 Without admissions (the CPU twins) it is 0.
 
@@ -205,12 +206,13 @@ class RoundWidthChooser:
         self._records_since_prepared = 0
         self._last_width: int | None = None  # the last recorded round's width
         # admissions (`record_admission`): per kind (with the prompts' drafter context: True; without: False) the
-        # last `window` admissions' (seconds, requests); the requests that left and the tokens they committed
-        # (`record_finished`), both decayed at every call
+        # last `window` admissions' (seconds, requests); the last `window` departures' (tokens, requests)
+        # (`record_finished`)
         self._admissions: dict[bool, deque[tuple[float, int]]] = {True: deque(maxlen=window),
                                                                   False: deque(maxlen=window)}
-        self._finished = self._finished_tokens = 0.0
+        self._finished: deque[tuple[int, int]] = deque(maxlen=window)
         self._request_seconds: dict[bool, float | None] = {}  # `_seconds_per_request`, until the next admission
+        self._tokens_per_request: float | None = None  # of the kept departures, until the next one
         # a request's admission without the drafter's context over one with it, until both are measured
         # (`StaticRows.warm_up` times the two admission graphs; 1: no saving assumed)
         self.admission_ratio = 1.0
@@ -369,15 +371,15 @@ class RoundWidthChooser:
         """`requests` requests left their rows (finished or cancelled), having committed `tokens` tokens in all: each
         makes room for an admission."""
         if requests > 0:
-            self._finished = self._finished * self.decay + requests
-            self._finished_tokens = self._finished_tokens * self.decay + tokens
+            self._finished.append((tokens, requests))
+            self._tokens_per_request = None
 
     def admission_per_token(self, width: int) -> float:
         """The admission seconds a committed token brings about in rounds of `width`: a request's admission seconds,
         with the drafter's context or without it (for plain rounds, as in a long run of them: measured, else
-        `admission_ratio` × with it), over the tokens a request commits before it leaves. 0 before any admission or
-        before a request left."""
-        if not self._finished_tokens:
+        `admission_ratio` × with it), over the tokens a request commits before it leaves (the mean of the last `window`
+        departures'). 0 before any admission or before a request left."""
+        if not self._finished:
             return 0.0
         seconds = self._seconds_per_request(width != 0)
         if seconds is None:  # (only the other kind measured so far)
@@ -385,7 +387,10 @@ class RoundWidthChooser:
             if seconds is None:
                 return 0.0
             seconds *= self.admission_ratio if width == 0 else 1 / self.admission_ratio
-        return seconds * self._finished / self._finished_tokens
+        if self._tokens_per_request is None:
+            self._tokens_per_request = (sum(tokens for tokens, _ in self._finished)
+                                        / sum(requests for _, requests in self._finished))
+        return seconds / max(self._tokens_per_request, 1.0)
 
     def _seconds_per_request(self, prompt_context: bool) -> float | None:
         """The mean admission seconds of a request of the last `window` admissions of one kind (None: none yet)."""
