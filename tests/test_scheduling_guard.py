@@ -620,11 +620,11 @@ def test_width_chooser_counts_the_admissions_a_width_brings_about():
     """Plain rounds take 1 s, width 3's 1.5 s and commit 1.875 tokens a row: width 3 leads by 25 %. Each request
     leaves after 8 tokens and its successor's admission takes 0.2 s with the drafter's context of its prompt: every
     width's tokens bring the same admissions about, and width 3 still leads (by 17 %). A long run of plain rounds
-    admits without that context: at 0.04 s a request, plain leads by 11 %. The chooser counts a width's admissions
-    per committed token: a request's admission seconds of the kind that width brings about (for plain rounds, until
-    some were admitted without the context, `admission_ratio` times the other kind's: `StaticRows.warm_up` times the
-    two admission graphs) over the tokens a request commits. So it moves to plain where the saving is real, and back
-    to width 3 once plain's admissions, measured, save nothing. (On an H100 at c = 128 a drafting engine's admissions
+    admits without that context: at 0.04 s a request, plain leads by 11 %. The chooser credits plain rounds what
+    their tokens' admissions save: a request's admission seconds of each kind (for plain rounds, until some were
+    admitted without the context, `admission_ratio` times the other kind's: `StaticRows.warm_up` times the two
+    admission graphs) over the tokens a request commits. So it moves to plain where the saving is real, and back to
+    width 3 once plain's admissions, measured, save nothing. (On an H100 at c = 128 a drafting engine's admissions
     cost 9 % more than plain decoding's, a third of the serving time.)"""
     seconds = {0: 1.0, 3: 1.5}
     for request_seconds, ratio, best in (({True: 0.0, False: 0.0}, 1.0, 3), ({True: 0.2, False: 0.2}, 1.0, 3),
@@ -635,6 +635,7 @@ def test_width_chooser_counts_the_admissions_a_width_brings_about():
         assert chosen[-200:].count(best) >= 190, (request_seconds, best)
     assert chooser.admission_per_token(0) == pytest.approx(0.04 / 8, rel=0.1)  # (measured: plain's own admissions)
     assert chooser.admission_per_token(3) == pytest.approx(0.2 / 8, rel=0.1)
+    assert chooser.admission_saving(0) == pytest.approx(0.16 / 8, rel=0.1) and chooser.admission_saving(3) == 0
     chooser = RoundWidthChooser(tuple(seconds))
     chooser.admission_ratio = 0.2  # an estimate that the measured plain admissions then refute
     chosen = drive_with_admissions(chooser, 1200, seconds, {True: 0.2, False: 0.2})

@@ -62,18 +62,19 @@ rounds right after another width's are kept apart (`after_switch`, not in its re
 that followed a round of a different width.
 
 A round's tokens also bring admissions about: a request that finishes makes room for the next, whose prefill runs
-between rounds. Per committed token that costs the same whatever the width, except that after a long run of plain
-rounds requests join without their prompts' drafter context (`StaticRows`), which a drafting round's requests need:
-on an H100 at c = 128 a drafting engine's admission took 0.22 ms a request against plain decoding's 0.20, and
-admissions took a third of the serving time, so plain decoding served 1.055 x fixed γ = 3 where the rounds alone put
-them within 2 %. So each width's cost also holds `requests` x its expected tokens x `admission_per_token`: a
-request's admission seconds (`record_admission`: the mean over the last `window` admissions of the kind that width
-brings about; a plain round's, until some requests joined without the context, `admission_ratio` x the other's,
-which `StaticRows.warm_up` sets from the two admission graphs' times) over the tokens a request commits before it
-leaves (`record_finished`: the mean of the last `window` departures, so that a serving benchmark's warm-up run of
-short requests is soon forgotten; not the requests admitted per token committed: every run of the benchmark starts by
-admitting a request into each row, which kept that rate high for hundreds of rounds).
-Without admissions (the CPU twins) it is 0.
+between rounds. Per committed token that costs every drafting width the same, but after a long run of plain rounds
+requests join without their prompts' drafter context (`StaticRows`), which a drafting round's requests need: on an
+H100 at c = 128 a drafting engine's admission took 0.22 ms a request against plain decoding's 0.20, and admissions
+took a third of the serving time, so plain decoding served 1.055 x fixed γ = 3 where the rounds alone put them within
+2 %. So a plain round's cost is lessened by `requests` x its tokens x `admission_saving`: what a committed token
+saves, the difference of `admission_per_token` (a request's admission seconds of each kind, from `record_admission`:
+the mean over the last `window` admissions; for plain rounds, until some requests joined without the context,
+`admission_ratio` x the other kind's, which `StaticRows.warm_up` sets from the two admission graphs' times; over the
+tokens a request commits before it leaves, from `record_finished`: the mean of the last `window` departures, so that
+a serving benchmark's warm-up run of short requests is soon forgotten). Only the difference: the whole admission cost
+in every width's rate would shrink the leads between drafting widths and with them what `switch_margin` asks (on the
+CPU twin at c = 4, where admissions took a sixth of the time, 3 of 16 seeds then kept γ = 7 for thousands of rounds).
+Without admissions (the CPU twins without `--admission-ms`) it is 0.
 
 Times are kept per group of rounds (`group`): the number of rows the rounds run (the engine runs the smallest prefix of
 its rows in its graph sizes that holds every request) and, up to a power of two, how many of them hold a request, since
@@ -332,16 +333,21 @@ class RoundWidthChooser:
         return [tokens[width] / time for width, time in zip(self.widths, seconds)]
 
     def _rates(self, times: dict[int, float], requests: int = 1) -> dict[int, float]:
-        """Each width's expected tokens per second and row, its rounds (of `requests` requests) taking `times` and
-        the admissions their tokens bring about (`admission_per_token`)."""
-        return {width: self._rate(self.expected_tokens(width), seconds, requests * self.admission_per_token(width))
+        """Each width's expected tokens per second and row, its rounds (of `requests` requests) taking `times`, less
+        what its tokens' admissions save (`admission_saving`)."""
+        return {width: self._rate(self.expected_tokens(width), seconds, requests * self.admission_saving(width))
                 for width, seconds in times.items()}
 
+    @classmethod
+    def _rate(cls, tokens: float, seconds: float, saving: float) -> float:
+        """Tokens per second and row of rounds that take `seconds` and commit `tokens` a row, each token saving
+        `saving` seconds of admissions."""
+        return tokens / cls._saved_seconds(seconds, tokens, saving)
+
     @staticmethod
-    def _rate(tokens: float, seconds: float, admission: float) -> float:
-        """Tokens per second and row of rounds that take `seconds` and commit `tokens` a row, each token of the
-        round's bringing about `admission` seconds of admissions."""
-        return tokens / (seconds + tokens * admission)
+    def _saved_seconds(seconds: float, tokens: float, saving: float) -> float:
+        """A round's `seconds` less what its `tokens` a row save of admissions, `saving` a token (at most half)."""
+        return max(seconds - tokens * saving, seconds / 2)
 
     def confidence(self, challenger: int, incumbent: int, times: dict[int, float], requests: int = 1) -> float:
         """The share of `draws` joint draws of the hazards from their Beta posteriors in which `challenger`'s rate
@@ -349,12 +355,12 @@ class RoundWidthChooser:
         wins = 0
         pooled = list(itertools.accumulate(self.survival(), initial=1.0))
         scale = {width: self.expected_tokens(width) / pooled[width] for width in (challenger, incumbent)}
-        admission = {width: requests * self.admission_per_token(width) for width in (challenger, incumbent)}
+        saving = {width: requests * self.admission_saving(width) for width in (challenger, incumbent)}
         for _ in range(self.draws):  # (each draw's tokens scaled as `_stride_tokens` corrects the hazards' estimate)
             hazards = (self._rng.betavariate(accepted + 1, reached - accepted + 1)
                        for reached, accepted in zip(self._reached, self._accepted))
             tokens = list(itertools.accumulate(itertools.accumulate(hazards, operator.mul), initial=1.0))
-            rate = {width: self._rate(scale[width] * tokens[width], times[width], admission[width])
+            rate = {width: self._rate(scale[width] * tokens[width], times[width], saving[width])
                     for width in (challenger, incumbent)}
             wins += rate[challenger] > (1 + self.switch_margin) * rate[incumbent]
         return wins / self.draws
@@ -391,6 +397,17 @@ class RoundWidthChooser:
             self._tokens_per_request = (sum(tokens for tokens, _ in self._finished)
                                         / sum(requests for _, requests in self._finished))
         return seconds / max(self._tokens_per_request, 1.0)
+
+    def admission_saving(self, width: int) -> float:
+        """The admission seconds a committed token of `width` saves against a drafting width's
+        (`admission_per_token`): 0 for every drafting width, whose admissions cost alike; for plain rounds what
+        requests that join without their prompts' drafter context save. (Counting the whole admission cost in
+        every width's rate would only shrink the leads between drafting widths, and with them what
+        `switch_margin` asks: on the CPU twin at c = 4, where admissions took a sixth of the time, 3 of 16 seeds then
+        kept γ = 7 chosen for thousands of rounds, against none without admissions told.)"""
+        if width != 0 or max(self.widths) == 0:
+            return 0.0
+        return max(0.0, self.admission_per_token(max(self.widths)) - self.admission_per_token(0))
 
     def _seconds_per_request(self, prompt_context: bool) -> float | None:
         """The mean admission seconds of a request of the last `window` admissions of one kind (None: none yet)."""
@@ -430,14 +447,14 @@ class RoundWidthChooser:
 
     def _cost(self, width: int, group: tuple[int, int], requests: int | None = None) -> float | None:
         """`width`'s seconds a round in `group` of `requests` requests (None: the group's rows): its round time
-        (`_seconds`), the server's step around a round (`record`'s `overhead`, every width's; 0 where none was told)
-        and the admissions its rows' expected tokens bring about (`admission_per_token`). None: not measured yet."""
+        (`_seconds`) and the server's step around a round (`record`'s `overhead`, every width's; 0 where none was
+        told), less what its rows' expected tokens save of admissions (`admission_saving`). None: not measured yet."""
         seconds = self._seconds(width, group)
         if seconds is None:
             return None
         requests = group[0] if requests is None else requests
-        return (seconds + (self._buckets[group].overhead() if group in self._buckets else 0.0)
-                + requests * self.expected_tokens(width) * self.admission_per_token(width))
+        return self._saved_seconds(seconds + (self._buckets[group].overhead() if group in self._buckets else 0.0),
+                                   self.expected_tokens(width), requests * self.admission_saving(width))
 
     def throughput(self, width: int, rows: int = 0, requests: int | None = None) -> float | None:
         """Expected committed tokens per second and row for `width` in rounds of `rows` rows holding `requests`
@@ -604,8 +621,8 @@ class RoundWidthChooser:
             return True
         chosen = self._cost(bucket.best, group, requests)
         requests = group[0] if requests is None else requests
-        admission = requests * self.admission_per_token(width)
-        return chosen is None or (self._rate(self.expected_tokens(width), seconds + bucket.overhead(), admission)
+        saving = requests * self.admission_saving(width)
+        return chosen is None or (self._rate(self.expected_tokens(width), seconds + bucket.overhead(), saving)
                                   >= self.expected_tokens(bucket.best) / chosen)
 
     def summary(self) -> dict[tuple[int, int], dict[int, dict[str, float | None]]]:
