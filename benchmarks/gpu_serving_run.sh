@@ -178,10 +178,10 @@
 #     then library 33e9468 (admissions counted) at c = 128 64 (319 s): serving_static_code50m_admissions_h100_c128_64.*.
 # Next (one call each, carry_sched; move demo_models/, drafters/ and benchmarks/results/ aside first; a device call
 #     returns at most eight files, so write fewer or split):
-#     1. first, the admission rate from leaving requests' tokens (record_finished; not yet on the GPU): the command
-#        below at c = 128 64 (--requests-per-slot 8, --policies no_spec fixed_3 fixed_7 hardware_aware), on a quiet
-#        machine (33e9468 served 0.973-0.983 x no speculation at c = 128 run by run, 6267ea7 0.955-0.966 on another
-#        H100); then c = 4 1 (32);
+#     1. first, plain rounds credited what their admissions save (admission_saving, ba7fd54; not yet on the GPU): the
+#        command below at c = 128 64 (--requests-per-slot 8, --policies no_spec fixed_3 fixed_7 hardware_aware), on a
+#        quiet machine (33e9468, which added every width's whole admission cost, served 0.973-0.983 x no speculation
+#        at c = 128 run by run, 6267ea7 0.955-0.966 on another H100); then c = 4 1 (32);
 #     2. `PYTHONPATH=src python -m pytest -q -p no:hypothesispytest -n 0 tests/test_cuda_graphs.py tests/test_tensor_ops.py`
 #        (the whole file, more than 270 s on a fresh machine);
 #     3. the per-row rates leave out a drafting engine's dearer admissions and its rounds' fewer requests
