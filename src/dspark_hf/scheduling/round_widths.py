@@ -384,7 +384,7 @@ class RoundWidthChooser:
         """The admission seconds a committed token brings about in rounds of `width`: a request's admission seconds,
         with the drafter's context or without it (for plain rounds, as in a long run of them: measured, else
         `admission_ratio` × with it), over the tokens a request commits before it leaves (the mean of the last `window`
-        departures'). 0 before any admission or before a request left."""
+        departures). 0 before any admission or before a request left."""
         if not self._finished:
             return 0.0
         seconds = self._seconds_per_request(width != 0)
@@ -401,10 +401,8 @@ class RoundWidthChooser:
     def admission_saving(self, width: int) -> float:
         """The admission seconds a committed token of `width` saves against a drafting width's
         (`admission_per_token`): 0 for every drafting width, whose admissions cost alike; for plain rounds what
-        requests that join without their prompts' drafter context save. (Counting the whole admission cost in
-        every width's rate would only shrink the leads between drafting widths, and with them what
-        `switch_margin` asks: on the CPU twin at c = 4, where admissions took a sixth of the time, 3 of 16 seeds then
-        kept γ = 7 chosen for thousands of rounds, against none without admissions told.)"""
+        requests that join without their prompts' drafter context save (only the difference: see the module
+        docstring)."""
         if width != 0 or max(self.widths) == 0:
             return 0.0
         return max(0.0, self.admission_per_token(max(self.widths)) - self.admission_per_token(0))
