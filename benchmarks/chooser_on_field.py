@@ -19,7 +19,7 @@ per second is reported per seed (the noise's and the chooser's draws), and hardw
 width as mean ± standard error over the seeds. `--admission-ms` charges each request's admission (with its prompt's
 drafter context, or without it for plain decoding and for the chooser after a long run of plain rounds) and tells the
 chooser of it, as `StaticRows` does (`--untold-admissions`: charged but not told); the acceptance of rows that joined
-without the context is taken as that of the others (on the GPU it is lower until the context fills).
+without the context is taken as that of the others (in the engine their drafts see less context until it fills).
 """
 
 from __future__ import annotations

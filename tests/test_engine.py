@@ -873,7 +873,7 @@ def test_static_engine_tells_its_chooser_each_admission_and_its_kind(models, mon
     prefill = runner.admission.prefill
 
     def timed_prefill(input_ids, attention_mask, prompt_context=True):
-        time.sleep(0.004 if prompt_context else 0.002)
+        time.sleep(0.04 if prompt_context else 0.02)
         return prefill(input_ids, attention_mask, prompt_context)
 
     monkeypatch.setattr(runner.admission, "prefill", timed_prefill)
