@@ -109,9 +109,10 @@ def serve(field: list[list[int]], lengths: list[int], rows: FieldRows, width: in
         joined = rows.admit(waiting)
         if joined and admission is not None:
             context = width != 0 and plain_run < PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER
-            seconds += joined * admission[0 if context else 1]
+            admitting = joined * admission[0 if context else 1]
+            seconds += admitting
             if told_admissions:
-                chooser.record_admission(joined * admission[0 if context else 1], joined, context)
+                chooser.record_admission(admitting, joined, context)
         occupied = rows.occupied()
         states = None
         if chooser is not None:

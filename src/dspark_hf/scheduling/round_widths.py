@@ -394,8 +394,7 @@ class RoundWidthChooser:
                 return 0.0
             seconds *= self.admission_ratio if width == 0 else 1 / self.admission_ratio
         if self._tokens_per_request is None:
-            self._tokens_per_request = (sum(tokens for tokens, _ in self._finished)
-                                        / sum(requests for _, requests in self._finished))
+            self._tokens_per_request = self._per_request(self._finished)
         return seconds / max(self._tokens_per_request, 1.0)
 
     def admission_saving(self, width: int) -> float:
@@ -410,10 +409,13 @@ class RoundWidthChooser:
     def _seconds_per_request(self, prompt_context: bool) -> float | None:
         """The mean admission seconds of a request of the last `window` admissions of one kind (None: none yet)."""
         if prompt_context not in self._request_seconds:
-            kept = self._admissions[prompt_context]
-            self._request_seconds[prompt_context] = (sum(seconds for seconds, _ in kept)
-                                                     / sum(requests for _, requests in kept)) if kept else None
+            self._request_seconds[prompt_context] = self._per_request(self._admissions[prompt_context])
         return self._request_seconds[prompt_context]
+
+    @staticmethod
+    def _per_request(kept: deque[tuple[float, int]]) -> float | None:
+        """The mean per request of (amount, requests) pairs: the amounts' sum over the requests' (None: none kept)."""
+        return sum(amount for amount, _ in kept) / sum(requests for _, requests in kept) if kept else None
 
     @staticmethod
     def group(rows: int, requests: int | None = None) -> tuple[int, int]:
@@ -617,8 +619,8 @@ class RoundWidthChooser:
         bucket = self._buckets[group]
         if bucket.best is None:
             return True
-        chosen = self._cost(bucket.best, group, requests)
         requests = group[0] if requests is None else requests
+        chosen = self._cost(bucket.best, group, requests)
         saving = requests * self.admission_saving(width)
         return chosen is None or (self._rate(self.expected_tokens(width), seconds + bucket.overhead(), saving)
                                   >= self.expected_tokens(bucket.best) / chosen)
