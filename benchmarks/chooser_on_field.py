@@ -40,7 +40,7 @@ from common import environment
 from serving import request_count, request_lengths
 
 from dspark_hf.generation.static_rows import PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER
-from dspark_hf.scheduling.round_widths import AFTER_PLAIN, FULL, RoundWidthChooser
+from dspark_hf.scheduling.round_widths import AFTER_PLAIN, FULL, PROBES, RoundWidthChooser
 
 WIDTHS = (0, 1, 3, 7)
 
@@ -98,11 +98,13 @@ def serve(field: list[list[int]], lengths: list[int], rows: FieldRows, width: in
     `RoundWidthChooser.record`'s overhead ("told", as the engine does), in the round's seconds ("folded") or not
     ("none"). `admission`: a request's admission seconds with its prompt's drafter context and without it (None:
     free), the latter for plain decoding (`width` 0) and for the chooser's requests that join after
-    `PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER` plain rounds in a row, as `StaticRows` admits them; the chooser is
-    told each admission and each request that leaves (unless not `told_admissions`: as before 2026-12-06)."""
+    `PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER` plain rounds in a row (its probes neither end nor lengthen the run), as
+    `StaticRows` admits them; the chooser is told each admission and each request that leaves (unless not
+    `told_admissions`: as before 2026-12-06)."""
     told_admissions = told_admissions and chooser is not None
     waiting = [(index % len(field), length) for index, length in enumerate(lengths)]
     seconds, widths, planned, unrecorded, drafted_last, last_width = 0.0, Counter(), None, None, False, None
+    reason = None  # (the chooser's reason for the planned width)
     states_current, plain_run = True, 0
     count = rows.concurrency
     while waiting or rows.occupied():
@@ -116,16 +118,19 @@ def serve(field: list[list[int]], lengths: list[int], rows: FieldRows, width: in
         occupied = rows.occupied()
         states = None
         if chooser is not None:
-            verify = planned if planned is not None else chooser.choose(count)
+            if planned is None:
+                planned, reason = chooser.choose(count), chooser.reason
+            verify = planned
             tracked = len(occupied) <= chooser.state_rows
             if tracked and not drafted_last:
                 states = [AFTER_PLAIN] * len(occupied)
             elif tracked and states_current:
                 states = [rows.states[slot] for slot in occupied]
-            chosen, refined = verify, False
+            chosen, refined, probe = verify, False, reason in PROBES
             if states is not None:
                 verify = chooser.refine(verify, states, count)
                 refined = verify != chosen
+                probe = probe and not refined
         else:
             verify = width
         took = round_seconds(verify, seconds) * (1.0 + switch_cost if last_width not in (None, verify) else 1.0)
@@ -134,7 +139,7 @@ def serve(field: list[list[int]], lengths: list[int], rows: FieldRows, width: in
         if chooser is not None:  # during the round: the one before recorded, the next one's width chosen
             if unrecorded is not None:
                 chooser.record(*unrecorded[:-2], overhead=unrecorded[-2], refined=unrecorded[-1])
-            planned = chooser.choose(count)
+            planned, reason = chooser.choose(count), chooser.reason
             if len(occupied) <= chooser.state_rows:
                 chooser.prepare(count)
         accepted = rows.round(verify)
@@ -143,7 +148,10 @@ def serve(field: list[list[int]], lengths: list[int], rows: FieldRows, width: in
         seconds += took + around
         widths[verify] += 1
         drafted_last = verify > 0
-        plain_run = 0 if verify else plain_run + 1
+        if not verify:
+            plain_run += 1
+        elif chooser is None or not probe:
+            plain_run = 0
         if chooser is not None:
             told = {"told": (took, around), "folded": (took + around, None), "none": (took, None)}[overhead]
             unrecorded = (verify, told[0], accepted, count, False, states, told[1], refined)

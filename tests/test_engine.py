@@ -855,6 +855,52 @@ def test_static_engine_admits_without_the_prompts_drafter_context_after_a_run_of
     assert int(rounds.drafter_start[0]) == int(rounds.pad[0]) and runner.admitted_without_prompt_context == 2
 
 
+class ScriptedWidths(RoundWidthChooser):
+    """Each round the next (width, reason) of `script` (one group of rounds: one choice a round)."""
+
+    def __init__(self, widths, script: list[tuple[int, str]]):
+        super().__init__(widths, state_rows=0)
+        self.script = iter(script)
+
+    def group(self, rows: int = 0, requests: int | None = None) -> tuple[int, int]:
+        return (0, 0)
+
+    def choose(self, rows: int = 0, requests: int | None = None) -> int:
+        width, self.reason = next(self.script)
+        return width
+
+
+def test_static_engine_keeps_a_run_of_plain_rounds_through_the_choosers_probes(models, monkeypatch):
+    """A round the chooser runs only to measure, confirm or refresh a drafting width neither ends nor lengthens a run
+    of plain rounds: requests that join after it still skip their prompts' drafter context, and each request equals
+    its solo greedy generate(). A drafting round the chooser chose ends the run."""
+    from dspark_hf.generation import static_rows
+
+    monkeypatch.setattr(static_rows, "PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER", 3)
+    target, drafter = models
+    engine = DSparkEngine(target, drafter, max_batch_size=8, max_model_len=64, static=True, policy="hardware_aware",
+                          admission_batch=1, default_sampling={"temperature": 0})
+    runner = engine.runner
+    widths = runner.chooser.widths
+    script = [(0, "keep")] * 3 + [(widths[-1], probe) for probe in ("measure", "confirm", "refresh")]
+    script += [(0, "settled"), (widths[1], "switch")] + [(widths[1], "settled")] * 40
+    runner.chooser = ScriptedWidths(widths, script)
+    rng = random.Random(5)
+
+    def request(budget: int):
+        return engine.add_request([rng.randrange(4, VOCAB_SIZE) for _ in range(8)], max_tokens=budget)
+
+    handles, runs = [request(40)], []
+    for joining in (0, 0, 0, 1, 1, 1, 0, 1, 1):
+        handles += [request(20) for _ in range(joining)]
+        engine.step()
+        runs.append((runner.plain_rounds_in_a_row, runner.admitted_without_prompt_context))
+    assert runs == [(1, 0), (2, 0), (3, 0), (3, 1), (3, 2), (3, 3), (4, 3), (0, 4), (0, 4)]
+    engine.run()
+    for handle in handles:
+        assert handle.tokens == solo(target, handle.prompt_ids, handle.params.max_tokens)
+
+
 def test_static_engine_tells_its_chooser_each_admission_and_its_kind(models, monkeypatch):
     """Every admission into running rows reaches the chooser (not the first prefill, which sets up every row: here
     `warm_up`'s): its seconds (here each chunked admission takes 50 ms more), its requests, and whether they joined

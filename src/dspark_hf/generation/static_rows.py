@@ -28,7 +28,7 @@ from transformers import PreTrainedModel
 from ..devices import synchronize
 from ..models import DSparkDraftModel
 from ..scheduling import RoundWidthChooser
-from ..scheduling.round_widths import AFTER_PLAIN, FULL
+from ..scheduling.round_widths import AFTER_PLAIN, FULL, PROBES
 from ..tensor_ops import argmax_last, to_device
 from ..verify import verify as verify_drafts
 from .cuda_graphs import WARMUP_CALLS as GRAPH_WARMUP_CALLS
@@ -44,7 +44,8 @@ PENDING_ROUNDS = 4  # the drafter's pending context holds 4 (γ + 1) features: p
 # positions): a join then costs what it costs without a drafter, and a request keeps the rest of its context. And a
 # full pending context then keeps its last half (16 features for γ = 7) instead of a flush through the drafter. On the
 # development CPU the trained code50m drafter kept 97 % of its τ without its prompt, 96 % with its last 16 positions
-# alone (drafter_context_reach_cpu.json).
+# alone (drafter_context_reach_cpu.json). The chooser's probing rounds (`PROBES`: a measure, confirm or refresh of a
+# width not chosen) neither end nor lengthen such a run.
 PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER = 32
 # `warm_up` runs each graph this often: the warm-up calls of a directly captured graph (the first compiles), then its
 # capture (cuda_graphs.py); reduce-overhead's graph trees compile on the first call and capture on the second
@@ -476,7 +477,10 @@ class StaticRows:
             accepted_drafts.append(accepted)
             pending[index] = pending[index] + 1 if verify == 0 else accepted + 1
         self.drafted_last_round = verify > 0
-        self.plain_rounds_in_a_row = 0 if verify else self.plain_rounds_in_a_row + 1
+        if not verify:
+            self.plain_rounds_in_a_row += 1
+        elif self.choice is None or self.choice[0] not in PROBES:
+            self.plain_rounds_in_a_row = 0
         if self.chooser is not None:  # recorded during the next round (whose width was chosen without it)
             self._unrecorded = (verify, accepted_drafts, count, captured, states, refined)
             self._states_current = tracked and verify > 0

@@ -122,6 +122,9 @@ AFTER_PLAIN = -1
 FULL = 16
 # the reasons of `RoundWidthChooser.choose` whose width `refine` may change (the others measure, confirm or refresh one)
 REFINED = ("settled", "keep", "switch")
+# the reasons of `choose` whose width only probes (the choice stays what it was): such a round does not end a run of
+# plain rounds (`StaticRows` admits requests without their prompt's drafter context in a long one)
+PROBES = ("measure", "confirm", "refresh")
 STRIDE_ROWS = 32.0  # the (decayed) rows a width's rounds must have counted before `_stride_tokens` reads them
 
 
