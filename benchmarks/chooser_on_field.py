@@ -55,6 +55,7 @@ class FieldRows:
         self.states = [AFTER_PLAIN] * concurrency  # each row's `acceptance_state` after its last round
         self.lengths = [0] * concurrency  # each row's request's tokens
         self.finished: list[int] = []  # the tokens of the requests that left in the last round
+        self.plain_run = 0  # plain rounds in a row, across runs (`StaticRows.plain_rounds_in_a_row`)
 
     def admit(self, waiting: list[tuple[int, int]]) -> int:
         """Joins waiting (field row, length) requests into the free rows, lowest first; the prefill commits a
@@ -105,12 +106,12 @@ def serve(field: list[list[int]], lengths: list[int], rows: FieldRows, width: in
     waiting = [(index % len(field), length) for index, length in enumerate(lengths)]
     seconds, widths, planned, unrecorded, drafted_last, last_width = 0.0, Counter(), None, None, False, None
     reason = None  # (the chooser's reason for the planned width)
-    states_current, plain_run = True, 0
+    states_current = True
     count = rows.concurrency
     while waiting or rows.occupied():
         joined = rows.admit(waiting)
         if joined and admission is not None:
-            context = width != 0 and plain_run < PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER
+            context = width != 0 and rows.plain_run < PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER
             admitting = joined * admission[0 if context else 1]
             seconds += admitting
             if told_admissions:
@@ -149,9 +150,9 @@ def serve(field: list[list[int]], lengths: list[int], rows: FieldRows, width: in
         widths[verify] += 1
         drafted_last = verify > 0
         if not verify:
-            plain_run += 1
+            rows.plain_run += 1
         elif chooser is None or not probe:
-            plain_run = 0
+            rows.plain_run = 0
         if chooser is not None:
             told = {"told": (took, around), "folded": (took + around, None), "none": (took, None)}[overhead]
             unrecorded = (verify, told[0], accepted, count, False, states, told[1], refined)
