@@ -176,25 +176,28 @@
 #     fixed_7 hardware_aware hardware_aware_strides --requests-per-slot 32 at c = 4 1 (247 s), then no_spec fixed_3
 #     fixed_7 hardware_aware --requests-per-slot 8 at c = 128 64 (218 s): serving_static_code50m_refined_h100_*;
 #     then library 33e9468 (admissions counted) at c = 128 64 (319 s): serving_static_code50m_admissions_h100_c128_64.*.
+# Forty-fourth session (one H100, fresh, then warm): library 773ae75 (admission_saving; probing rounds keep a plain
+#     run) with --policies no_spec fixed_3 fixed_7 hardware_aware at c = 128 64 (--requests-per-slot 8, 232 s) and c = 4
+#     1 (32, 237 s): serving_static_code50m_probes_h100_*. At c = 64 the engine ran plain rounds in 99 % of two runs and
+#     served 0.964 x no speculation: a drafting engine's plain rounds cost 2.7 % more, its admissions 5 % more.
 # Next (one call each, carry_sched; move demo_models/, drafters/ and benchmarks/results/ aside first; a device call
 #     returns at most eight files, so write fewer or split):
-#     1. first, plain rounds credited what their admissions save (admission_saving, ba7fd54; not yet on the GPU): the
-#        command below at c = 128 64 (--requests-per-slot 8, --policies no_spec fixed_3 fixed_7 hardware_aware), on a
-#        quiet machine (33e9468, which added every width's whole admission cost, served 0.973-0.983 x no speculation
-#        at c = 128 run by run, 6267ea7 0.955-0.966 on another H100); then c = 4 1 (32);
+#     1. a drafting engine's plain decoding as cheap as no speculation's (docs/serving_measurements.md, 44th session):
+#        plain rounds without the drafter's features in a long plain run (a catch-up forward over each row's last
+#        γ + 1 tokens before the next drafting round), and the admission without the drafter's context; then the
+#        command below at c = 64 128, then 4 1 (--requests-per-slot 32);
 #     2. `PYTHONPATH=src python -m pytest -q -p no:hypothesispytest -n 0 tests/test_cuda_graphs.py tests/test_tensor_ops.py`
 #        (the whole file, more than 270 s on a fresh machine);
-#     3. the per-row rates leave out a drafting engine's dearer admissions and its rounds' fewer requests
-#        (docs/scheduling.md): a change there, then c = 64 128 again;
+#     3. the command:
 #        SERVING_TIMEOUT=420 OUT=$OUT bash benchmarks/gpu_serving_run.sh --model code50m --static
-#        --graph-sizes-per-cell 1 --max-new-tokens 64 --repeats 3 --no-paged --policies no_spec fixed_1 fixed_3
+#        --graph-sizes-per-cell 1 --max-new-tokens 64 --repeats 3 --no-paged --policies no_spec fixed_3
 #        fixed_7 hardware_aware --requests-per-slot 8 --min-requests 64 --admission-rows 16
 #        --eager-admission-from 100000 --concurrency 128 64 --round-logs $OUT/round_logs.json.gz --out $OUT/cells.json
 #        (then rm -f $OUT/serving_static_h200.* $OUT/serving_h200.* $OUT/serving_trace_code50m.json: eight files);
 #     4. the 4B command at c = 32 and 128 with the narrow rounds;
 #        `round_speed.py --model qwen3-8b-shape --methods plain_static_compiled dspark_static_compiled`.
 #     A fresh machine compiles slowly: give a call of one concurrency at least 200 s. Device starts were refused
-#     often on 12-06 (each refusal costs 15-120 s of the session's device time).
+#     often on 12-06 (each refusal costs 15-180 s of the session's device time; 11 of 13 calls refused that day).
 set -uo pipefail
 # SERVING_TIMEOUT=S stops the benchmark after S seconds (results are saved after every concurrency); 0: no limit.
 export PYTHONPATH=${DSPARK_SRC:-src}
