@@ -39,8 +39,8 @@ from chooser_replay import MeasuredMachine, run_machines
 from common import environment
 from serving import request_count, request_lengths
 
-from dspark_hf.generation.static_rows import PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER
-from dspark_hf.scheduling.round_widths import AFTER_PLAIN, FULL, PROBES, RoundWidthChooser
+from dspark_hf.generation.static_rows import PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER, plain_run_after
+from dspark_hf.scheduling.round_widths import AFTER_PLAIN, FULL, RoundWidthChooser
 
 WIDTHS = (0, 1, 3, 7)
 
@@ -105,7 +105,7 @@ def serve(field: list[list[int]], lengths: list[int], rows: FieldRows, width: in
     told_admissions = told_admissions and chooser is not None
     waiting = [(index % len(field), length) for index, length in enumerate(lengths)]
     seconds, widths, planned, unrecorded, drafted_last, last_width = 0.0, Counter(), None, None, False, None
-    reason = None  # (the chooser's reason for the planned width)
+    reason = round_reason = None  # (the chooser's reason for the planned width; for this round's)
     states_current = True
     count = rows.concurrency
     while waiting or rows.occupied():
@@ -127,11 +127,11 @@ def serve(field: list[list[int]], lengths: list[int], rows: FieldRows, width: in
                 states = [AFTER_PLAIN] * len(occupied)
             elif tracked and states_current:
                 states = [rows.states[slot] for slot in occupied]
-            chosen, refined, probe = verify, False, reason in PROBES
+            chosen, refined, round_reason = verify, False, reason
             if states is not None:
                 verify = chooser.refine(verify, states, count)
                 refined = verify != chosen
-                probe = probe and not refined
+                round_reason = chooser.reason if refined else reason
         else:
             verify = width
         took = round_seconds(verify, seconds) * (1.0 + switch_cost if last_width not in (None, verify) else 1.0)
@@ -149,10 +149,7 @@ def serve(field: list[list[int]], lengths: list[int], rows: FieldRows, width: in
         seconds += took + around
         widths[verify] += 1
         drafted_last = verify > 0
-        if not verify:
-            rows.plain_run += 1
-        elif chooser is None or not probe:
-            rows.plain_run = 0
+        rows.plain_run = plain_run_after(rows.plain_run, verify, round_reason)
         if chooser is not None:
             told = {"told": (took, around), "folded": (took + around, None), "none": (took, None)}[overhead]
             unrecorded = (verify, told[0], accepted, count, False, states, told[1], refined)

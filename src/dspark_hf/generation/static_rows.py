@@ -47,6 +47,16 @@ PENDING_ROUNDS = 4  # the drafter's pending context holds 4 (γ + 1) features: p
 # alone (drafter_context_reach_cpu.json). The chooser's probing rounds (`PROBES`: a measure, confirm or refresh of a
 # width not chosen) neither end nor lengthen such a run.
 PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER = 32
+
+
+def plain_run_after(run: int, verify: int, reason: str | None) -> int:
+    """The plain rounds in a row after a round that verified `verify` drafts for the chooser's `reason` (None: no
+    chooser): a plain round lengthens the run, a probe (`PROBES`) leaves it as it was, any other round ends it."""
+    if not verify:
+        return run + 1
+    return run if reason in PROBES else 0
+
+
 # `warm_up` runs each graph this often: the warm-up calls of a directly captured graph (the first compiles), then its
 # capture (cuda_graphs.py); reduce-overhead's graph trees compile on the first call and capture on the second
 WARM_UP_CALLS = GRAPH_WARMUP_CALLS + 1
@@ -477,10 +487,8 @@ class StaticRows:
             accepted_drafts.append(accepted)
             pending[index] = pending[index] + 1 if verify == 0 else accepted + 1
         self.drafted_last_round = verify > 0
-        if not verify:
-            self.plain_rounds_in_a_row += 1
-        elif self.choice is None or self.choice[0] not in PROBES:
-            self.plain_rounds_in_a_row = 0
+        self.plain_rounds_in_a_row = plain_run_after(self.plain_rounds_in_a_row, verify,
+                                                     None if self.choice is None else self.choice[0])
         if self.chooser is not None:  # recorded during the next round (whose width was chosen without it)
             self._unrecorded = (verify, accepted_drafts, count, captured, states, refined)
             self._states_current = tracked and verify > 0
