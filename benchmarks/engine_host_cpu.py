@@ -66,7 +66,7 @@ def stubbed_engine(target, drafter, rows: int, max_model_len: int) -> DSparkEngi
         recorded.append(fake)
     count = itertools.count()
 
-    def stub(verify: int):
+    def stub(verify: int, bare: bool = False):
         return lambda: record.copy_(recorded[next(count) % len(recorded)])
 
     engine.runner.rounds.greedy_round = stub

@@ -574,7 +574,7 @@ COMPACT_COLUMNS = ["ended_ms", "rows", "admitted", "verify", "accepted", "admit_
 def compact_round_log(log: list[dict], origin: float) -> list[list]:
     """One round per entry: [ms since `origin` at its end, rows, requests admitted, verified drafts (the widest
     row's), drafts accepted in all, admission ms, draft + verify ms, the drafter-context upkeep the round ran first
-    ("flush", "forget" or None), ms from its end until its tokens were delivered, why the chooser chose the round's
+    ("flush", "catch_up" or None), ms from its end until its tokens were delivered, why the chooser chose the round's
     width (`RoundWidthChooser.reason`; None without a chooser), the rates it compared then ({width: tokens per second
     and row}, or None), ms of the engine's step outside the admission, round and delivery (before the round and after
     the delivery; None if not logged)]."""

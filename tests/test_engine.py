@@ -9,6 +9,7 @@ import random
 import time
 import types
 import weakref
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -720,7 +721,8 @@ def test_static_engine_tells_its_chooser_which_rounds_replay_graphs_warm_up_ran(
         if warm:
             engine.warm_up(widths, progress=False, freeze_gc=False)
             assert engine.runner.warmed == {(size, kind, width) for size in (1, 2) for kind, width in
-                                            [("greedy", 0), ("greedy", widths[1]), ("flush", 0), ("forget", 0)]}
+                                            [("greedy", 0), ("greedy", widths[1]), ("bare greedy", 0), ("flush", 0),
+                                             ("catch_up", 0)]}
         engine.add_request([5, 6, 7], max_tokens=40, temperature=0.0, ignore_eos=True)
         engine.run()
         greedy = len(chooser.captured) + 1  # (the last greedy round is recorded during the first sampled one)
@@ -804,15 +806,40 @@ def test_static_engine_drafts_from_each_requests_whole_context_across_plain_roun
     assert admissions["chunked"] and admissions["eager"] and admissions["chunked_pairs"]
 
 
+def first_drafting_starts(runner, checked: list[int]) -> Callable[[], list[int]]:
+    """Wraps `runner.step` (after `check_drafts_every_round`) to note each request's committed length before every
+    round; returns a function giving, for the first drafting round since, each request's start after a catch-up:
+    its anchor's position - 2 (γ + 1), at least 0 (`StaticBatchRounds.catch_up`), and checks that round's upkeep."""
+    step, noted = runner.step, []
+
+    def noted_step():
+        lengths, checked_before = [len(row.ids) for row in runner.owner if row is not None], len(checked)
+        committed = step()
+        if runner.drafted_last_round and not noted:
+            noted.append((lengths, runner.upkeep, checked_before))
+        return committed
+
+    runner.step = noted_step
+
+    def expected() -> list[int]:
+        (lengths_then, upkeep, checked_before), = noted[:1]
+        assert upkeep == "catch_up"
+        assert checked[checked_before: checked_before + len(lengths_then)] == [
+            max(length - 1 - runner.rounds.catch_up_tokens, 0) for length in lengths_then]
+        return lengths_then
+
+    return expected
+
+
 @pytest.mark.parametrize("eager", [False, True], ids=["chunked", "eager"])
 def test_static_engine_admits_without_the_prompts_drafter_context_after_a_run_of_plain_rounds(models, eager,
                                                                                                monkeypatch):
     """After `PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER` plain rounds in a row, requests join without their prompt's
-    drafter context, in chunks or in one eager forward: their rows' drafter-cache columns before the prompt's last
-    γ + 1 positions keep what they held (here: large noise) and the drafter does not see them, so every drafting round
-    proposes for such a request what the drafter proposes given its context from there on (a random drafter: its
-    drafts depend on all of it); a request that joined before keeps its whole context, and every request equals its
-    solo greedy generate(). Once a round drafts, requests join with their prompt's context again."""
+    drafter context or features, in chunks or in one eager forward: their rows' drafter state is not written (here
+    their drafter cache holds large noise). The first drafting round catches up: every request's drafts are what the
+    drafter proposes given its context from its last 2 (γ + 1) tokens before the anchor on (a random drafter: its
+    drafts depend on all of it), so the noise is never seen; every later drafting round too, and every request equals
+    its solo greedy generate(). Once a round drafts, requests join with their prompt's context again."""
     from dspark_hf.generation import static_rows
 
     monkeypatch.setattr(static_rows, "PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER", 3)
@@ -832,20 +859,19 @@ def test_static_engine_admits_without_the_prompts_drafter_context_after_a_run_of
     for _ in range(3):  # plain rounds only
         engine.step()
     rounds = runner.rounds
-    for layer in rounds.drafter_cache.layers:  # the free rows' drafter cache: noise the drafter must not see
-        layer.keys[1:].normal_(std=30.0)
-        layer.values[1:].normal_(std=30.0)
+    for layer in rounds.drafter_cache.layers:  # every row's drafter cache: noise the drafter must not see
+        layer.keys.normal_(std=30.0)
+        layer.values.normal_(std=30.0)
     handles += [request(14, 30), request(11, 30)]
     assert runner.admitted_without_prompt_context == 0
-    engine.step()  # both join without their prompts' drafter context
-    assert runner.admitted_without_prompt_context == 2
-    starts = {slot: int(rounds.drafter_start[slot] - rounds.pad[slot]) for slot in range(3)}
-    assert starts[0] == 0 and starts[1] == 14 - rounds.width and starts[2] == 11 - rounds.width
+    engine.step()  # both join without their prompts' drafter context; the round is bare
+    assert runner.admitted_without_prompt_context == 2 and runner.behind
 
     chooser.plain_share = 0.3
     checked = check_drafts_every_round(runner, target, drafter)
+    first_starts = first_drafting_starts(runner, checked)
     engine.run()
-    assert 0 in checked and 14 - rounds.width in checked and 11 - rounds.width in checked
+    assert len(first_starts()) == 3
     for handle in handles:
         assert handle.tokens == solo(target, handle.prompt_ids, handle.params.max_tokens)
     assert runner.plain_rounds_in_a_row < 3
@@ -956,13 +982,12 @@ def test_static_engine_tells_its_chooser_each_admission_and_its_kind(models, mon
     assert chooser.admissions == [] and chooser.admission_ratio == 1.0
 
 
-def test_static_engine_forgets_old_pending_context_instead_of_flushing_in_a_long_run_of_plain_rounds(models,
-                                                                                                     monkeypatch):
-    """In a run of at least `PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER` plain rounds, a full pending drafter context
-    keeps its last half (`forget_old_context`) instead of a flush: the forgotten columns are never written into the
-    drafter cache (here they hold large noise) and the drafter does not see them, so every later drafting round
-    proposes what the drafter proposes given the context from the first kept column on; the output equals solo greedy
-    generate(). Before the run is long enough, a full context is flushed as always."""
+def test_static_engine_runs_bare_plain_rounds_in_a_long_run_and_catches_up_before_drafting(models, monkeypatch):
+    """From the `PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER`-th plain round in a row on, plain rounds are bare (the graph
+    of plain decoding without a drafter: no features kept, no flush); before that, plain rounds keep their features and
+    flush a full pending context. The next drafting round catches up first: its drafts are what the drafter proposes
+    given the context from the anchor's last 2 (γ + 1) tokens on (the drafter cache held large noise before), as are
+    every later round's; the output equals solo greedy generate()."""
     from dspark_hf.generation import static_rows
     from dspark_hf.generation.static_batch import StaticBatchRounds
 
@@ -973,33 +998,25 @@ def test_static_engine_forgets_old_pending_context_instead_of_flushing_in_a_long
                           default_sampling={"temperature": 0})
     runner = engine.runner
     runner.chooser = chooser = RandomWidths(runner.chooser.widths, seed=5, plain_share=1.0)
-    calls, forget, flush = [], StaticBatchRounds.forget_old_context, StaticBatchRounds.flush
-
-    def noisy_forget(rounds):  # the not yet written columns (pending and later) take noise first
-        for row, first in enumerate(rounds.context_column.tolist()):
-            for layer in rounds.drafter_cache.layers:
-                layer.keys[row, :, first:].normal_(std=30.0)
-                layer.values[row, :, first:].normal_(std=30.0)
-        calls.append(("forget", runner.plain_rounds_in_a_row))
-        forget(rounds)
-
-    monkeypatch.setattr(StaticBatchRounds, "forget_old_context", noisy_forget)
-    monkeypatch.setattr(StaticBatchRounds, "flush",
-                        lambda rounds: calls.append(("flush", runner.plain_rounds_in_a_row)) or flush(rounds))
-    window, span = runner.rounds.window, runner.rounds.width
+    kinds, greedy_round = [], StaticBatchRounds.greedy_round
+    monkeypatch.setattr(StaticBatchRounds, "greedy_round", lambda rounds, verify, bare=False: (
+        kinds.append((verify, bare)), greedy_round(rounds, verify, bare))[1])
     handle = engine.add_request([5, 6, 7, 8, 9, 10], max_tokens=80, ignore_eos=True)
-    for _ in range(2 * window):  # plain rounds only: a flush at the first full context, forgetting after that
+    for _ in range(30):  # plain rounds only
         engine.step()
-    assert calls[0] == ("flush", window - span) and all(kind == "forget" for kind, _ in calls[1:]) and len(calls) > 1
-    assert [entry["upkeep"] for entry in engine.round_log if entry["upkeep"]] == [kind for kind, _ in calls]
-    assert runner.rounds.drafter_start[0] == runner.rounds.context_column[0] > runner.rounds.pad[0] + 6 + window
+    assert kinds == [(0, False)] * 20 + [(0, True)] * 10 and runner.behind
+    upkeeps = [entry["upkeep"] for entry in engine.round_log]
+    assert "flush" in upkeeps[:20] and set(upkeeps[20:]) == {None}
+    for layer in runner.rounds.drafter_cache.layers:  # noise the drafter must not see
+        layer.keys.normal_(std=30.0)
+        layer.values.normal_(std=30.0)
     chooser.plain_share = 0.3
-    checked, plain_phase = check_drafts_every_round(runner, target, drafter), len(calls)
+    checked = check_drafts_every_round(runner, target, drafter)
+    first_starts = first_drafting_starts(runner, checked)
     engine.run()
-    assert any(kind == "flush" for kind, _ in calls[plain_phase:])  # (a drafting round after plain ones)
-    assert checked and checked[0] > 6 + window  # drafted without the forgotten columns
-    assert handle.tokens == solo(target, handle.prompt_ids, 80)
-    assert [entry["upkeep"] for entry in engine.round_log if entry["upkeep"]] == [kind for kind, _ in calls]
+    assert first_starts()[0] > 6 + 2 * runner.rounds.width  # (the catch-up starts past the prompt)
+    assert len(checked) > 3 and not runner.behind and handle.tokens == solo(target, handle.prompt_ids, 80)
+    assert [entry["upkeep"] for entry in engine.round_log].count("catch_up") == 1
 
 
 def test_static_engine_without_a_drafter_admits_through_its_one_admission_graph(models, monkeypatch):
@@ -1034,8 +1051,8 @@ def test_chunked_admission_pads_prompts_to_whole_chunks_and_refuses_chunks_short
 
 def test_static_engine_compiles_every_graph_at_warm_up_and_none_while_serving():
     """fullgraph=True: `warm_up(widths, sampled=True)` compiles each graph that rounds of those widths can run once:
-    per row prefix (all rows, the first alone), plain rounds and γ drafts, greedy and sampled with and without
-    top-k / top-p, the flush, the forgetting of old context and the admission chunks (with and without the prompts'
+    per row prefix (all rows, the first alone), plain rounds, bare plain rounds and γ drafts, greedy and sampled with
+    and without top-k / top-p, the flush, the catch-up and the admission chunks (with and without the prompts'
     drafter context); serving greedy and sampled requests of both widths afterwards compiles nothing more, and the
     greedy outputs are still the solo greedy ones. (Two widths, one target family: tracing takes about half a
     minute.)"""
@@ -1050,9 +1067,9 @@ def test_static_engine_compiles_every_graph_at_warm_up_and_none_while_serving():
                           default_sampling={"temperature": 0})
     widths = (0, drafter.config.num_draft_slots)
     graphs = engine.warm_up(widths, sampled=True, progress=False)
-    # prefixes 1 and 2: three kinds, the flush and the forgetting; the admission chunk with and without the prompts'
-    # drafter context
-    assert graphs == 2 * len(widths) * 3 + 2 * 2 + 2 == len(compilations)
+    # prefixes 1 and 2: three kinds of each width and of bare plain rounds, the flush and the catch-up; the admission
+    # chunk with and without the prompts' drafter context
+    assert graphs == 2 * (len(widths) + 1) * 3 + 2 * 2 + 2 == len(compilations)
     engine.runner.chooser = RandomWidths(widths, seed=2, plain_share=0.5)
     rng = random.Random(3)
     serve_exactly(engine, target, rng, 5, 10, (10, 30))
@@ -1072,8 +1089,8 @@ def test_static_engine_compiles_every_graph_at_warm_up_and_none_while_serving():
 
 
 def test_static_engine_runs_only_the_graph_batch_sizes_it_is_given(models):
-    """`static_graph_batch_sizes=(2,)` on 4 rows: warm_up runs 2 sizes (2 and the whole 4) × (2 widths + the flush and
-    the forgetting of old context) and 2 admission chunks;
+    """`static_graph_batch_sizes=(2,)` on 4 rows: warm_up runs 2 sizes (2 and the whole 4) × (2 widths + the bare plain
+    round, the flush and the catch-up) and 2 admission chunks;
     rounds of any occupancy run 2 or 4 rows, never 1, and stay exact. warm_up freezes the collector's objects unless
     told not to; the engine is still freed when dropped. Sizes outside 1..max_batch_size are refused, as is the
     option on the eager engine."""
@@ -1083,7 +1100,7 @@ def test_static_engine_runs_only_the_graph_batch_sizes_it_is_given(models):
                           static_graph_batch_sizes=(2,), default_sampling={"temperature": 0})
     assert engine.runner.graph_batch_sizes == (2, 4)
     gc.unfreeze()
-    graphs = 2 * (len(widths) + 2) + 2  # (the admission chunk with and without the prompts' context)
+    graphs = 2 * (len(widths) + 3) + 2  # (the admission chunk with and without the prompts' context)
     assert engine.warm_up(widths, progress=False, freeze_gc=False) == graphs and gc.get_freeze_count() == 0
     assert engine.warm_up(widths, progress=False) == graphs and gc.get_freeze_count() > 0
     assert all(item is not engine for item in gc.get_objects())  # frozen: out of the collector's reach
@@ -1204,8 +1221,8 @@ def test_static_engine_sampling_matches_target_distribution(monkeypatch):
     settings = [([4, 1, 5], dict(temperature=0.8), [TemperatureLogitsWarper(0.8)]),
                 ([3, 3], dict(temperature=1.1, top_k=4), [TemperatureLogitsWarper(1.1), TopKLogitsWarper(4)])]
     unfiltered, sampled_round = [], StaticBatchRounds.sampled_round  # per sampled round: did it skip top-k / top-p?
-    monkeypatch.setattr(StaticBatchRounds, "sampled_round", lambda rounds, verify: lambda noise, *settings: (
-        unfiltered.append(settings[1] is None), sampled_round(rounds, verify)(noise, *settings))[1])
+    monkeypatch.setattr(StaticBatchRounds, "sampled_round", lambda rounds, verify, bare=False: lambda noise, *settings: (
+        unfiltered.append(settings[1] is None), sampled_round(rounds, verify, bare)(noise, *settings))[1])
     copies, greedy = 1500, []
     for (prompt, sampling, processors), skips in zip(settings, (True, False)):
         handles, unfiltered[:] = [], []

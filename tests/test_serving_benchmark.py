@@ -122,7 +122,7 @@ def test_static_cells_run_every_policy_on_its_engine(models, graph_sizes_per_cel
         ended, rows, admitted, verify, accepted, admit_ms, step_ms, upkeep, deliver_ms, choice, rates, outside_ms = zip(
             *logs[name][-1])
         assert len(ended) == runs[name][-1]["rounds"] and list(ended) == sorted(ended) and min(step_ms) > 0
-        kinds = {None, "flush", "forget"} if name == "hardware_aware" else {None}  # (fixed widths never flush)
+        kinds = {None, "flush", "catch_up"} if name == "hardware_aware" else {None}  # (fixed widths never flush)
         assert min(deliver_ms) > 0 and set(upkeep) <= kinds and min(outside_ms) > 0
         if name == "hardware_aware":  # (why the chooser chose each round's width, and the rates it compared)
             reasons = [entry[9] for run in logs[name] for entry in run]  # (it measured each width in the warm-up run)

@@ -14,7 +14,9 @@ then go into the admitted rows of the running batch (W columns per layer) and th
 (`StaticBatchRounds.start_rows`). Each chunk's queries see the columns before them (causal), so the caches equal those
 of one forward over the prompt up to the kernels' rounding. A small model's chunk is bound by kernel launches, so a
 chunk of several rows costs about what one row's does. `admit(..., prompt_context=False)` runs a second graph, without
-the drafter: the rows join without their prompt's drafter context (`StaticRows` does so while it runs plain rounds).
+the drafter and without the target's features, as admitting without a drafter runs: the rows join without their
+prompt's drafter context (`StaticRows` does so while it runs bare plain rounds) and need
+`StaticBatchRounds.catch_up()` before their first drafting round.
 """
 
 from __future__ import annotations
@@ -50,25 +52,25 @@ class ChunkedAdmission:
             for buffer in (self.ids, self.first_column):
                 torch._dynamo.mark_static_address(buffer)
         self.compiled_chunk = self.scratch._compiled(self._chunk_forward)
-        # the chunk without the drafter's context forward (its target features still give the prompt's last γ + 1)
+        # the chunk without the drafter: no context forward, no features (outside the tap)
         self.compiled_chunk_without_context = self.scratch._compiled(
-            functools.partial(self._chunk_forward, prompt_context=False))
+            functools.partial(self._chunk_forward, prompt_context=False), tapped=False)
 
     def padded_width(self, prompt_length: int) -> int:
-        """Columns a prompt of `prompt_length` tokens takes: at least γ + 2 (a drafter's first context), rounded up to
-        a multiple of `chunk`."""
-        return -(-max(prompt_length, self.rounds.width + 1) // self.chunk) * self.chunk
+        """Columns a prompt of `prompt_length` tokens takes: at least 2 (γ + 1) (what `StaticBatchRounds.catch_up`
+        reads), rounded up to a multiple of `chunk`."""
+        return -(-max(prompt_length, self.rounds.catch_up_tokens) // self.chunk) * self.chunk
 
     def _chunk_forward(self, prompt_context: bool = True) -> None:
         """The target over `ids` at columns `first_column` .. + chunk - 1 of the one-row caches (with
-        `prompt_context`, the drafter's context K/V of those columns too); its last logits and features into
-        `last_logits` / `tail`."""
+        `prompt_context` and a drafter, the drafter's context K/V of those columns too, and its features into
+        `tail`); its last logits into `last_logits`."""
         scratch = self.scratch
-        logits, features = scratch._target_forward(self.ids, self.first_column, logits_to_keep=1)
+        logits, features = scratch._target_forward(self.ids, self.first_column, logits_to_keep=1,
+                                                   tapped=prompt_context)
         self.last_logits.copy_(logits[:, -1])
-        if scratch.drafter is not None:
-            if prompt_context:
-                scratch._write_drafter_context(features, self.first_column, self.first_column + self.chunk)
+        if features is not None:
+            scratch._write_drafter_context(features, self.first_column, self.first_column + self.chunk)
             self.tail.copy_(features[:, -scratch.width:])
 
     def _allocate(self) -> None:
@@ -126,5 +128,5 @@ class ChunkedAdmission:
         write_rows(rounds.target_cache, scratch.target_cache, index, width)
         if rounds.drafter is not None and prompt_context:
             write_rows(rounds.drafter_cache, scratch.drafter_cache, index, width)
-        tail = self.tail[:count] if self.tail is not None else None
-        rounds.start_rows(index, scratch.pad[:count], choose(self.last_logits[:count]), width, tail, prompt_context)
+        tail = self.tail[:count] if self.tail is not None and prompt_context else None
+        rounds.start_rows(index, scratch.pad[:count], choose(self.last_logits[:count]), width, tail)

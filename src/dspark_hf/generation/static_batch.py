@@ -29,7 +29,9 @@ models' own implementation with a 4D mask (SDPA by default).
 For `DSparkEngine(static=True)`, rounds can also verify fewer drafts (`greedy_round(v)` / `sampled_round(v)`, one
 graph per v) or none: a plain round then appends its target features to the drafter's pending context (up to
 `context_window` columns, which `flush()` writes into the drafter cache; a drafting round reads the first γ + 1), so
-that the next speculative round drafts from the whole context.
+that the next speculative round drafts from the whole context. A bare plain round (`greedy_round(0, bare=True)`)
+keeps no features: the same graph as plain decoding without a drafter; `catch_up()` then rebuilds each row's drafter
+context from its last 2 (γ + 1) tokens before the next drafting round.
 """
 
 from __future__ import annotations
@@ -184,7 +186,7 @@ class StaticBatchRounds:
         # target features a row may hold pending for the drafter (`features`): a drafting round reads the first γ + 1,
         # plain rounds append up to `window`, which `flush()` writes into the drafter cache
         self.window = self.width if context_window is None else max(context_window, self.width)
-        self.kept_on_forgetting = self.window // 2  # of a full pending context, by `forget_old_context`
+        self.catch_up_tokens = 2 * self.width  # the tokens `catch_up` runs per row: γ + 1 of context, γ + 1 pending
         long = dict(dtype=torch.long, device=device)
         self.pad = torch.zeros(batch_size, **long)  # left padding: row b's column c is its position c - pad_b
         self.anchor = torch.zeros(batch_size, **long)  # the last committed token, not yet in the target cache
@@ -216,18 +218,20 @@ class StaticBatchRounds:
         self._prefixes: dict[int, StaticBatchRounds] = {}
         self.capture_key = CaptureKey()
 
-    def _compiled(self, function: Callable) -> Callable:
-        """`function` compiled (`compiled_round`), its Python run with the chosen kernels and the tap active."""
+    def _compiled(self, function: Callable, tapped: bool = True) -> Callable:
+        """`function` compiled (`compiled_round`), its Python run with the chosen kernels and (`tapped`) the tap
+        active."""
         if self.compile:
             # one dynamo entry per round function and shape: a few widths, kinds and row prefixes are more than its
             # default
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
-        return compiled_round(function, self.compile, self.target.device, self.graph_pool, self._running)
+        return compiled_round(function, self.compile, self.target.device, self.graph_pool,
+                              functools.partial(self._running, tapped))
 
     @contextmanager
-    def _running(self) -> Iterator[None]:
-        """Where a round's Python runs: the chosen kernels, and the tap recording the target's features."""
-        with self.kernels(), self.tap if self.tap is not None else nullcontext():
+    def _running(self, tapped: bool = True) -> Iterator[None]:
+        """Where a round's Python runs: the chosen kernels, and (`tapped`) the tap recording the target's features."""
+        with self.kernels(), self.tap if self.tap is not None and tapped else nullcontext():
             yield
 
     def keep_graphs_valid(self, *choices: object, also: Iterable[Callable] = ()) -> None:
@@ -273,30 +277,35 @@ class StaticBatchRounds:
                 torch._dynamo.mark_static_address(self.replayed_acceptance)
         return self.replayed_acceptance
 
-    def greedy_round(self, verify: int) -> Callable[[], None]:
+    def greedy_round(self, verify: int, bare: bool = False) -> Callable[[], None]:
         """The greedy round that verifies the first `verify` of each row's drafts (0: a plain round, which with a
         drafter also appends its target features to the drafter's pending context; call `flush()` first when a
-        row's pending context is full), compiled like `compiled`; one graph per `verify`."""
-        plain = self._plain_round if self.drafter is None else self._plain_round_with_context
-        return self._round_of_kind("greedy", verify, plain, self._dspark_round)
+        row's pending context is full), compiled like `compiled`; one graph per `verify`. `bare` (plain rounds
+        only): no features kept, the graph of plain decoding without a drafter; the rows' drafter context then needs
+        `catch_up()` before the next drafting round."""
+        plain = self._plain_round if self.drafter is None or bare else self._plain_round_with_context
+        return self._round_of_kind("greedy", verify, plain, self._dspark_round, bare)
 
-    def sampled_round(self, verify: int) -> Callable:
+    def sampled_round(self, verify: int, bare: bool = False) -> Callable:
         """`greedy_round`'s sampled twin, called with (noise, temperatures, top_ks, top_ps), per row: noise ~ Exp(1)
         [B, V] for a plain round (which draws its token and records it), [B, ≥ v, V] for a drafting round (which returns
         (drafts [B, v], their q [B, v, V], target logits, target features) for `dspark_hf.verify`, then `advance`).
         Noise of ones with temperature 1 and no top-k / top-p draws a row's argmax: a greedy row."""
-        plain = self._sampled_plain_round if self.drafter is None else self._sampled_plain_round_with_context
-        return self._round_of_kind("sampled", verify, plain, self._sampled_dspark_round)
+        plain = self._sampled_plain_round if self.drafter is None or bare else self._sampled_plain_round_with_context
+        return self._round_of_kind("sampled", verify, plain, self._sampled_dspark_round, bare)
 
-    def _round_of_kind(self, kind: str, verify: int, plain: Callable, drafting: Callable) -> Callable:
+    def _round_of_kind(self, kind: str, verify: int, plain: Callable, drafting: Callable, bare: bool) -> Callable:
         if self.drafter is None and verify != 0:
             raise ValueError("plain decoding rounds (no drafter) verify no drafts.")
         if not 0 <= verify < self.width:
             raise ValueError(f"verify must be in 0..{self.width - 1}, got {verify}.")
-        if (kind, verify) not in self._rounds_by_kind:
+        if bare and verify:
+            raise ValueError("a bare round is a plain round: verify=0.")
+        bare = bare and self.drafter is not None  # (without a drafter every plain round is bare)
+        if (kind, verify, bare) not in self._rounds_by_kind:
             round_ = plain if verify == 0 else functools.partial(drafting, verify=verify)
-            self._rounds_by_kind[kind, verify] = self._compiled(round_)
-        return self._rounds_by_kind[kind, verify]
+            self._rounds_by_kind[kind, verify, bare] = self._compiled(round_, tapped=not bare)
+        return self._rounds_by_kind[kind, verify, bare]
 
     def must_flush(self, verify: int, pending: int) -> bool:
         """Whether a round that verifies `verify` drafts must `flush()` first, when the fullest running row holds
@@ -308,31 +317,37 @@ class StaticBatchRounds:
         column) into the drafter cache and empties it (compiled like `compiled`)."""
         self._run_compiled("flush", self._flush_context)
 
-    def forget_old_context(self) -> None:
-        """Instead of `flush()`: keeps each row's last `kept_on_forgetting` pending features and forgets the older ones,
-        which the drafter then never sees (its drafting rounds see the row from the first kept column on), in one
-        gather (compiled like `compiled`). For long runs of plain rounds: no drafter forward, as a flush runs."""
-        self._run_compiled("forget", self._forget_old_context)
+    def catch_up(self, recent: torch.LongTensor) -> None:
+        """After bare plain rounds or admissions without the prompts' context (which keep no drafter features): each
+        row's drafter context rebuilt from its last `catch_up_tokens` = 2 (γ + 1) tokens before its anchor, `recent`
+        [B, 2 (γ + 1)] (columns column - 2 (γ + 1) .. column - 1; any token where those are padding), in one graph:
+        the target's forward over them gives their features (and writes their K/V again), the first γ + 1 go into
+        the drafter cache, the last γ + 1 are pending, as after a drafting round. The drafter then sees each row from
+        the first of those columns on (its cache before them was not kept up). Every row's column must be at least
+        2 (γ + 1) (`StaticRows` pads prompts so)."""
+        self._run_compiled("catch_up", self._catch_up, recent)
 
-    def _run_compiled(self, name: str, function: Callable[[], None]) -> None:
-        """Calls `function` compiled like `compiled`, kept under `name` (its graph captured once)."""
+    def _run_compiled(self, name: str, function: Callable[..., None], *args: torch.Tensor) -> None:
+        """Calls `function(*args)` compiled like `compiled`, kept under `name` (its graph captured once)."""
         if name not in self._rounds_by_kind:
             self._rounds_by_kind[name] = self._compiled(function)
-        self._rounds_by_kind[name]()
+        self._rounds_by_kind[name](*args)
 
-    def _forget_old_context(self) -> None:
-        kept = self.kept_on_forgetting
-        forgotten = (self.column - self.context_column - kept).clamp(min=0)  # [B]: 0 where at most `kept` are pending
-        entries = (forgotten[:, None] + torch.arange(kept, device=forgotten.device)).clamp(max=self.window - 1)
-        features = self.features.gather(1, entries[:, :, None].expand(-1, -1, self.features.shape[-1]))
-        self.features[:, :kept] = features
-        self.context_column.add_(forgotten)
-        torch.maximum(self.drafter_start, self.context_column, out=self.drafter_start)
+    def _catch_up(self, recent: torch.LongTensor) -> None:
+        width = self.width
+        first = (self.column - 2 * width).clamp(min=0)  # (free rows never admitted may be shorter: results unused)
+        _, features = self._target_forward(recent, first, logits_to_keep=1)
+        self._write_drafter_context(features[:, :width], first, first + width)
+        self.features[:, :width].copy_(features[:, width:])
+        self.context_column.copy_(first + width)
+        torch.maximum(first, self.pad, out=self.drafter_start)
 
     # ------------------------------------------------------------------ target
-    def _target_forward(self, ids: torch.LongTensor, first_column: torch.Tensor, logits_to_keep: int = 0):
+    def _target_forward(self, ids: torch.LongTensor, first_column: torch.Tensor, logits_to_keep: int = 0,
+                        tapped: bool = True):
         """The target over `ids` [B, T] written from `first_column` [B] -> (float32 logits of the last
-        `logits_to_keep` tokens (0: all), features or None)."""
+        `logits_to_keep` tokens (0: all), features (None without a drafter or when not `tapped`: run outside the
+        tap))."""
         self.target_cache.move_to(first_column)
         positions = (first_column - self.pad)[:, None] + torch.arange(ids.shape[1], device=ids.device)
         mask = visible_columns(self.pad, first_column, ids.shape[1], self.capacity, True, self.target.dtype)
@@ -341,7 +356,7 @@ class StaticBatchRounds:
             keep["key_bounds"] = torch.stack([self.pad, first_column + ids.shape[1]], dim=-1)
         logits = self.target(input_ids=ids, position_ids=positions.clamp(min=0), attention_mask=mask,
                              past_key_values=self.target_cache, use_cache=True, **keep).logits.float()
-        return logits, self.tap.features() if self.tap is not None else None
+        return logits, self.tap.features() if self.tap is not None and tapped else None
 
     def prefill(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor,
                 choose: Callable[[torch.Tensor], torch.LongTensor] = argmax_last) -> None:
@@ -376,8 +391,8 @@ class StaticBatchRounds:
         """Prefills the left-padded prompts [k, W] (W >= γ + 2 with a drafter) into rows `slots`, which have stopped,
         while the other rows keep their state: one target forward (and one drafter context forward) on temporary
         caches whose K/V go into those rows' first W columns. Each new row's first token goes into `record`.
-        `prompt_context=False` skips the drafter's forward: the rows' drafter context starts with the prompt's last
-        γ + 1 positions (`start_rows`)."""
+        `prompt_context=False` skips the drafter's forward and keeps no features: the rows need `catch_up()` before
+        their first drafting round (`start_rows`)."""
         if not self.target_cache.layers[0].is_initialized:
             raise RuntimeError("admit() refills rows of a running batch: call prefill() first.")
         device = self.target.device
@@ -389,49 +404,49 @@ class StaticBatchRounds:
         with self._running():
             logits = self.target(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
                                  past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
-            features = self.tap.features() if self.tap is not None else None
+            features = self.tap.features() if self.tap is not None and prompt_context else None
         write_rows(self.target_cache, cache, index)
         width = input_ids.shape[1]
-        if self.drafter is not None:
+        if features is not None:
             context = width - self.width  # as in prefill: the last γ + 1 columns' features are the next round's
-            if prompt_context:
-                drafter_cache = DynamicCache()
-                block = torch.full((len(slots), 1), self.drafter.config.mask_token_id, dtype=torch.long, device=device)
-                self.drafter(input_ids=block, target_hidden_states=features[:, :context], past_key_values=drafter_cache,
-                             context_position_ids=positions[:, :context], position_ids=(context - pad)[:, None])
-                write_rows(self.drafter_cache, drafter_cache, index)
+            drafter_cache = DynamicCache()
+            block = torch.full((len(slots), 1), self.drafter.config.mask_token_id, dtype=torch.long, device=device)
+            self.drafter(input_ids=block, target_hidden_states=features[:, :context], past_key_values=drafter_cache,
+                         context_position_ids=positions[:, :context], position_ids=(context - pad)[:, None])
+            write_rows(self.drafter_cache, drafter_cache, index)
             features = features[:, context:]
-        self.start_rows(index, pad, choose(logits), width, features, prompt_context)
+        self.start_rows(index, pad, choose(logits), width, features)
 
     def start_rows(self, index: torch.Tensor, pad: torch.Tensor, first: torch.Tensor, width: int,
-                   features: torch.Tensor | None, prompt_context: bool = True) -> None:
+                   features: torch.Tensor | None) -> None:
         """The state of rows `index` whose prompts (left padding `pad`) fill their first `width` columns of the caches:
         each row's first token `first` as its anchor and in `record`, and with a drafter the prompt's last γ + 1
-        target features `features` [k, γ + 1, K·H], the next round's (`admit`, `ChunkedAdmission.admit`).
-        `prompt_context=False`: the drafter cache holds nothing of these prompts, so its drafting rounds see the rows'
-        columns from the last γ + 1 prompt positions on."""
+        target features `features` [k, γ + 1, K·H], the next round's, whose drafter cache holds the prompt's context
+        before them (`admit`, `ChunkedAdmission.admit`). `features=None`: the rows joined without their prompts'
+        drafter context, and need `catch_up()` before their first drafting round."""
         self.pad[index] = pad
         self.anchor[index] = first
         self.column[index] = width
         self.active[index] = 1
         self.record[index] = 0
         self.record[index, 1] = first
-        if self.drafter is not None:
+        if self.drafter is not None and features is not None:
             self.features[index, : self.width] = features.to(self.features.dtype)
             self.context_column[index] = width - self.width
-            self.drafter_start[index] = pad if prompt_context else pad.clamp(min=width - self.width)
+            self.drafter_start[index] = pad
 
     # ------------------------------------------------------------------ rounds
-    def _plain_round(self) -> None:
+    def _plain_round(self) -> None:  # (also a drafter's bare plain round: no features)
         self._plain_step(argmax_last)
 
     def _sampled_plain_round(self, noise: torch.Tensor, temperatures, top_ks, top_ps) -> None:
         """`noise` [B, V] ~ Exp(1): each row's next token by the exponential race on its processed distribution."""
         self._plain_step(_racing(noise, temperatures, top_ks, top_ps))
 
-    def _plain_step(self, choose: Callable[[torch.Tensor], torch.LongTensor]) -> torch.Tensor | None:
-        """-> the anchors' target features [B, 1, K·H] (None without a drafter)."""
-        logits, features = self._target_forward(self.anchor[:, None], self.column)
+    def _plain_step(self, choose: Callable[[torch.Tensor], torch.LongTensor], tapped: bool = False
+                    ) -> torch.Tensor | None:
+        """-> the anchors' target features [B, 1, K·H] (if `tapped`, with a drafter; else None)."""
+        logits, features = self._target_forward(self.anchor[:, None], self.column, tapped=tapped)
         token = choose(logits[:, -1])
         self.record[:, 0] = 0
         self.record[:, 1] = token
@@ -449,7 +464,7 @@ class StaticBatchRounds:
         """A plain round that also appends each row's anchor features to its pending drafter context, at entry
         column - context_column of `features` (< `window` for every running row: `must_flush`)."""
         column = self.column.clone()  # before the round moves it
-        features = self._plain_step(choose)
+        features = self._plain_step(choose, tapped=True)
         entry = (column - self.context_column).clamp(max=self.window - 1)  # rows that have stopped may be full
         rows = torch.arange(entry.shape[0], device=entry.device)
         # in place, like RowStaticLayer.update (inductor lowered `scatter_` to a copy of the whole buffer)

@@ -40,13 +40,20 @@ from .static_loop import exponential_noise, fast_kernels, kernel_choice, kernels
 
 
 PENDING_ROUNDS = 4  # the drafter's pending context holds 4 (γ + 1) features: plain rounds flush it 4x less often
-# After this many plain rounds in a row, requests join without their prompt's drafter context (all but its last γ + 1
-# positions): a join then costs what it costs without a drafter, and a request keeps the rest of its context. And a
-# full pending context then keeps its last half (16 features for γ = 7) instead of a flush through the drafter. On the
-# development CPU the trained code50m drafter kept 97 % of its τ without its prompt, 96 % with its last 16 positions
-# alone (drafter_context_reach_cpu.json). The chooser's probing rounds (`PROBES`: a measure, confirm or refresh of a
-# width not chosen) neither end nor lengthen such a run.
+# After this many plain rounds in a row, plain rounds are bare (no target features kept for the drafter: the graph of
+# plain decoding without one) and requests join without their prompt's drafter context or features: a round and a
+# join then cost what they cost without a drafter. Before the next drafting round, `StaticBatchRounds.catch_up`
+# rebuilds each row's drafter context from its last 2 (γ + 1) = 16 tokens (γ = 7). On the development CPU the trained
+# code50m drafter kept 97 % of its τ without its prompt, 96 % with its last 16 positions alone
+# (drafter_context_reach_cpu.json). The chooser's probing rounds (`PROBES`: a measure, confirm or refresh of a width
+# not chosen) neither end nor lengthen such a run (each catches up first).
 PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER = 32
+
+
+def graph_kind(kind: str, bare: bool) -> str:
+    """The name `StaticRows.warmed` keeps a round graph under: its kind ("greedy", "sampled", "filtered"), "bare ..."
+    for a bare plain round."""
+    return f"bare {kind}" if bare else kind
 
 
 def plain_run_after(run: int, verify: int, reason: str | None) -> int:
@@ -79,9 +86,10 @@ class StaticRows:
     when at least `eager_admission_from` requests of similar lengths join at once (default: 8 × `admission_rows`, a
     group its chunks would take 8 passes to admit), in one eager forward with the others: an eager forward of a small
     model costs about as much for one prompt as for a few, 10-16 ms on the H200 for the 50M fixture, a chunk well under
-    1 ms (docs/serving.md). After `PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER` plain rounds in a row, requests join
-    without their prompt's drafter context (the drafter then sees them from the prompt's last γ + 1 positions on), and a
-    full pending context forgets its older half (`StaticBatchRounds.forget_old_context`) instead of a flush."""
+    1 ms (docs/serving.md). After `PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER` plain rounds in a row, plain rounds are
+    bare and requests join without their prompt's drafter context, both without the drafter's features; the next
+    drafting round first catches up (`StaticBatchRounds.catch_up`: the drafter then sees each row from its last
+    2 (γ + 1) tokens on)."""
 
     def __init__(self, target: PreTrainedModel, drafter: DSparkDraftModel | None, max_batch_size: int,
                  max_model_len: int, compile: bool | dict = False, attention: str = "auto",
@@ -138,8 +146,9 @@ class StaticRows:
         self.vocab_size = target.config.get_text_config().vocab_size
         self.started = False
         self.drafted_last_round = drafter is not None
-        self.upkeep: str | None = None  # the drafter-context upkeep the last round ran first: "flush", "forget", None
+        self.upkeep: str | None = None  # the drafter-context upkeep the last round ran first: "flush", "catch_up", None
         self.plain_rounds_in_a_row = 0  # (PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER)
+        self.behind = False  # bare rounds or admissions since the last catch-up: the next drafting round catches up
         self.admitted_without_prompt_context = 0  # requests that joined so, since the engine was made
         self.profiler: RoundProfiler | None = None
         self.guard = None
@@ -223,13 +232,15 @@ class StaticRows:
         prompt_context = not self._in_a_long_plain_run()
         if not prompt_context and self.rounds.drafter is not None and self.started:
             self.admitted_without_prompt_context += len(rows)
+            self.behind = True
         timed = self.chooser is not None and self.started  # (the first prefill, of every row, is no steady cost)
         started = time.perf_counter()
         with self._part("prefill"):
             for group in self._groups(rows):
                 slots, free = free[: len(group)], free[len(group):]
                 self._set_sampling(slots, group)
-                ids, mask = left_padded(group, min_width=self.span + 1)  # γ + 2: a drafter's first context
+                # at least 2 (γ + 1) columns: a drafter's first context, and what `catch_up` reads
+                ids, mask = left_padded(group, min_width=self.rounds.catch_up_tokens)
                 mask = mask.long()
                 if self.started and len(group) < self.eager_admission_from:  # in chunks, `admission.rows` at a time
                     for start in range(0, len(group), self.admission.rows):
@@ -268,9 +279,9 @@ class StaticRows:
     def warm_up(self, widths: Iterable[int] | None = None, sampled: bool = False, progress: bool = False) -> int:
         """Runs, before the first request, every graph that rounds verifying `widths` drafts (default: the policy's)
         can run, `WARM_UP_CALLS` times: per row prefix, each width's greedy round, with `sampled` its two sampled rounds
-        (with and without top-k / top-p), the flush and `forget_old_context` when plain rounds are among `widths`, and
-        the admission chunk (with plain rounds among `widths` also the one without the drafter's context of the
-        prompts).
+        (with and without top-k / top-p), and when plain rounds are among `widths` (with a drafter) the bare plain
+        rounds of each kind ("bare greedy", ...), the flush and the catch-up; and the admission chunk (with plain rounds
+        among `widths` also the one without the drafter's context of the prompts).
         With `compile`, these calls compile and capture the CUDA graphs, so that served rounds only replay graphs and
         the chooser times them from the first (on the H200 a round's first capture took 2-4x its time).
         The rounds run on free rows, whose results are dropped. Returns the number of graphs run."""
@@ -284,30 +295,33 @@ class StaticRows:
         if not all(0 <= width < self.span for width in widths):
             raise ValueError(f"widths must be in 0..{self.span - 1}, got {widths}.")
         if not self.started:  # the first prefill sets up every row (on a dummy prompt); all rows stay free
-            prompt = torch.zeros(self.batch_size, self.span + 1, dtype=torch.long)
+            prompt = torch.zeros(self.batch_size, self.rounds.catch_up_tokens, dtype=torch.long)
             self.rounds.prefill(prompt, torch.ones_like(prompt))
             self.rounds.active.zero_()
             self.started = True
         sizes = self.graph_batch_sizes
         kinds = ["greedy", *(["sampled", "filtered"] if sampled else [])]
-        graphs = [(size, kind, width) for size in sizes for width in widths for kind in kinds]
+        graphs = [(size, kind, width, False) for size in sizes for width in widths for kind in kinds]
         plain_with_drafter = 0 in widths and self.rounds.drafter is not None
-        flushes = [(size, kind) for size in sizes for kind in ("flush", "forget")] if plain_with_drafter else []
+        upkeeps = []
+        if plain_with_drafter:
+            graphs += [(size, kind, 0, True) for size in sizes for kind in kinds]
+            upkeeps = [(size, kind) for size in sizes for kind in ("flush", "catch_up")]
         chunks = [True, False] if plain_with_drafter else [True]  # (with and without the prompts' drafter context)
-        with tqdm(total=len(graphs) + len(flushes) + len(chunks), desc="round graphs", disable=not progress) as bar:
-            for size, kind, width in graphs:
+        with tqdm(total=len(graphs) + len(upkeeps) + len(chunks), desc="round graphs", disable=not progress) as bar:
+            for size, kind, width, bare in graphs:
                 rounds = self.rounds.prefix(size)
                 for _ in range(WARM_UP_CALLS):
                     if kind == "greedy":
-                        rounds.greedy_round(width)()
+                        rounds.greedy_round(width, bare)()
                     else:
-                        self._sampled_round(rounds, width, filtered=kind == "filtered")
-                self.warmed.add((size, kind, width))
+                        self._sampled_round(rounds, width, filtered=kind == "filtered", bare=bare)
+                self.warmed.add((size, graph_kind(kind, bare), width))
                 bar.update()
-            for size, kind in flushes:
+            for size, kind in upkeeps:
                 rounds = self.rounds.prefix(size)
                 for _ in range(WARM_UP_CALLS):
-                    (rounds.flush if kind == "flush" else rounds.forget_old_context)()
+                    rounds.flush() if kind == "flush" else rounds.catch_up(self._recent_tokens(size))
                 self.warmed.add((size, kind, 0))
                 bar.update()
             prompt = torch.zeros(1, 1, dtype=torch.long)
@@ -318,7 +332,7 @@ class StaticRows:
         if len(chunks) == 2 and self.chooser is not None:
             self.chooser.admission_ratio = self._admission_ratio(prompt)
         self.pending = [0] * self.batch_size
-        return len(graphs) + len(flushes) + len(chunks)
+        return len(graphs) + len(upkeeps) + len(chunks)
 
     def _admission_ratio(self, prompt: torch.LongTensor, calls: int = 8) -> float:
         """The admission chunk's time without the prompts' drafter context over its time with it (the median of
@@ -338,9 +352,20 @@ class StaticRows:
         return min(1.0, times[False] / times[True])
 
     def _in_a_long_plain_run(self) -> bool:
-        """Whether the last `PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER` rounds were plain: requests then join without
-        their prompt's drafter context, and a full pending context forgets its older half instead of a flush."""
+        """Whether the last `PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER` rounds were plain: plain rounds are then bare and
+        requests join without their prompt's drafter context."""
         return self.plain_rounds_in_a_row >= PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER
+
+    def _recent_tokens(self, rows: int) -> torch.LongTensor:
+        """[rows, 2 (γ + 1)]: each of the first `rows` rows' tokens before its anchor, the columns
+        `StaticBatchRounds.catch_up` reads (0 where those are padding, and in free rows)."""
+        span = self.rounds.catch_up_tokens
+        table = [[0] * span for _ in range(rows)]
+        for index in self.occupied:
+            if index < rows:
+                recent = self.owner[index].ids[-span - 1: -1]
+                table[index][span - len(recent):] = recent
+        return torch.tensor(table, dtype=torch.long, device=self.rounds.anchor.device)
 
     def _first_tokens(self, rows: list[Row]):
         if self.sampler is None:
@@ -445,23 +470,25 @@ class StaticRows:
         # them only where their Python runs)
         with self._part("verify_forward"):
             kind = "greedy" if not any(self.sampled) else "filtered" if any(self.filtered) else "sampled"
-            captured = (count, kind, verify) in self.warmed
-            fullest = max(self.pending)  # (free rows hold 0)
+            bare = verify == 0 and rounds.drafter is not None and self._in_a_long_plain_run()
+            captured = (count, graph_kind(kind, bare), verify) in self.warmed
             self.upkeep = None
-            if rounds.must_flush(verify, fullest):
-                if verify == 0 and self._in_a_long_plain_run():  # no drafter forward: the older half is forgotten
-                    rounds.forget_old_context()
-                    self.pending = [min(pending, rounds.kept_on_forgetting) for pending in self.pending]
-                    self.upkeep = "forget"
-                else:
-                    rounds.flush()  # the pending context into the drafter cache
-                    self.pending = [0] * self.batch_size
-                    self.upkeep = "flush"
+            if bare:
+                self.behind = True
+            elif verify and self.behind:  # the drafter's context from each row's last 2 (γ + 1) tokens
+                rounds.catch_up(self._recent_tokens(count))
+                self.pending = [self.span if owner is not None else 0 for owner in self.owner]
+                self.behind, self.upkeep = False, "catch_up"
+            elif rounds.must_flush(verify, max(self.pending)):  # (free rows hold 0)
+                rounds.flush()  # the pending context into the drafter cache
+                self.pending = [0] * self.batch_size
+                self.upkeep = "flush"
+            if self.upkeep is not None:
                 captured = captured and (count, self.upkeep, 0) in self.warmed
             if kind == "greedy":
-                rounds.greedy_round(verify)()
+                rounds.greedy_round(verify, bare)()
             else:
-                self._sampled_round(rounds, verify, filtered=kind == "filtered")
+                self._sampled_round(rounds, verify, filtered=kind == "filtered", bare=bare)
             if self.chooser is not None:  # while the device runs this round: the last round's time and acceptance,
                 self._record_last_round(last_round, overhead)  # then the next round's width (if of one group)
                 requests = len(occupied)
@@ -499,10 +526,10 @@ class StaticRows:
         self._round_ended = time.perf_counter()
         return committed
 
-    def _sampled_round(self, rounds: StaticBatchRounds, verify: int, filtered: bool) -> None:
+    def _sampled_round(self, rounds: StaticBatchRounds, verify: int, filtered: bool, bare: bool = False) -> None:
         """A round of the sampled graph on `rounds` (a prefix of the rows): noise for the sampled rows (ones for the
         others), then, after a drafting round, `dspark_hf.verify` with each row's settings and `advance`. `filtered`:
-        apply the rows' top-k / top-p (another graph)."""
+        apply the rows' top-k / top-p (another graph); `bare`: a bare plain round (`StaticBatchRounds.greedy_round`)."""
         generator = self.sampler.generator
         device, batch, vocab = self.temperature.device, rounds.pad.shape[0], self.vocab_size
         shape = (batch, vocab) if verify == 0 else (batch, verify, vocab)  # (a round drafts only what it verifies)
@@ -512,7 +539,7 @@ class StaticRows:
         filters = (self.top_k[:batch], self.top_p[:batch]) if filtered else (None, None)
         settings = (self.temperature[:batch], *filters)
         if verify == 0:
-            rounds.sampled_round(0)(noise, *settings)
+            rounds.sampled_round(0, bare)(noise, *settings)
             return
         drafts, probs, logits, features = rounds.sampled_round(verify)(noise, *settings)
         seeds = torch.randint(-(2**62), 2**62, (batch,), generator=generator, device=device)

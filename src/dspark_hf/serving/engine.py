@@ -266,7 +266,7 @@ class DSparkEngine:
         # per round: batch, requests admitted, verify lengths, accepted, drafted?, width, holes, seconds (admission and
         # round), admit_seconds (the admitted requests' prefill and first tokens), step_seconds (the draft + verify
         # round), ended (time.perf_counter() at the round's end), upkeep (static engines: the drafter-context upkeep
-        # the round ran first, "flush" or "forget"; else None), choice (static engines with a chooser: why its width
+        # the round ran first, "flush" or "catch_up"; else None), choice (static engines with a chooser: why its width
         # was chosen and the rates then compared, `StaticRows.choice`; else None), delivered (time.perf_counter() once
         # its tokens are streamed and checked for stops), outside (the step's seconds before the round and after the
         # delivery, admissions left out); the last ROUND_LOG_ROUNDS rounds (a server runs hundreds of rounds a second)
