@@ -1221,8 +1221,11 @@ def test_static_engine_sampling_matches_target_distribution(monkeypatch):
     settings = [([4, 1, 5], dict(temperature=0.8), [TemperatureLogitsWarper(0.8)]),
                 ([3, 3], dict(temperature=1.1, top_k=4), [TemperatureLogitsWarper(1.1), TopKLogitsWarper(4)])]
     unfiltered, sampled_round = [], StaticBatchRounds.sampled_round  # per sampled round: did it skip top-k / top-p?
-    monkeypatch.setattr(StaticBatchRounds, "sampled_round", lambda rounds, verify, bare=False: lambda noise, *settings: (
-        unfiltered.append(settings[1] is None), sampled_round(rounds, verify, bare)(noise, *settings))[1])
+    def recording_sampled_round(rounds, verify, bare=False):
+        return lambda noise, *settings: (unfiltered.append(settings[1] is None),
+                                         sampled_round(rounds, verify, bare)(noise, *settings))[1]
+
+    monkeypatch.setattr(StaticBatchRounds, "sampled_round", recording_sampled_round)
     copies, greedy = 1500, []
     for (prompt, sampling, processors), skips in zip(settings, (True, False)):
         handles, unfiltered[:] = [], []
