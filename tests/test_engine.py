@@ -1208,20 +1208,26 @@ def test_static_engine_refuses_what_it_does_not_do(models):
 def test_static_engine_sampling_matches_target_distribution(monkeypatch):
     """DSparkEngine(static=True) with sampled requests (two settings, one after the other: temperature 0.8, whose
     rounds skip top-k / top-p; temperature 1.1 with top-k 4) and greedy ones in the same rounds, through random widths
-    (sampled plain rounds, 1 or all 3 drafts verified): 1500 requests per sampled prompt, one chi-square test per
-    prompt at ALPHA = 1e-3 (a correct sampler fails a given seed with probability <= 0.2 % over the two); the greedy
-    requests equal their solo greedy generate()."""
+    (sampled plain rounds, bare ones from the second in a row, 1 or all 3 drafts verified, catching up after bare
+    rounds): 1500 requests per sampled prompt, one chi-square test per prompt at ALPHA = 1e-3 (a correct sampler fails
+    a given seed with probability <= 0.2 % over the two); the greedy requests equal their solo greedy generate()."""
+    from dspark_hf.generation import static_rows
+
+    monkeypatch.setattr(static_rows, "PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER", 1)
     target = make_bigram_like(tiny_target("qwen3", vocab_size=VOCAB, eos_token_id=None), damping=0.3)
     with torch.no_grad():
         target.lm_head.weight.mul_(6.0)
     drafter = oracle_drafter(target, scale=3.0)
     engine = DSparkEngine(target, drafter, max_batch_size=256, max_model_len=8, seed=99, static=True,
                           policy="hardware_aware")
-    engine.runner.chooser = RandomWidths(engine.runner.chooser.widths, seed=4, plain_share=0.3)
+    engine.runner.chooser = RandomWidths(engine.runner.chooser.widths, seed=4, plain_share=0.5)
     settings = [([4, 1, 5], dict(temperature=0.8), [TemperatureLogitsWarper(0.8)]),
                 ([3, 3], dict(temperature=1.1, top_k=4), [TemperatureLogitsWarper(1.1), TopKLogitsWarper(4)])]
     unfiltered, sampled_round = [], StaticBatchRounds.sampled_round  # per sampled round: did it skip top-k / top-p?
+    bare_rounds = []
+
     def recording_sampled_round(rounds, verify, bare=False):
+        bare_rounds.append(bare)
         return lambda noise, *settings: (unfiltered.append(settings[1] is None),
                                          sampled_round(rounds, verify, bare)(noise, *settings))[1]
 
@@ -1245,6 +1251,7 @@ def test_static_engine_sampling_matches_target_distribution(monkeypatch):
     accepted = [n for entry in engine.round_log if entry["speculative"] for n in entry["accepted"]]
     assert 0 < sum(accepted) < len(accepted) * 2  # some drafts accepted, some rejected
     assert {entry["verify"][0] for entry in engine.round_log} == {0, 1, 3}
+    assert set(bare_rounds) == {True, False} and "catch_up" in {entry["upkeep"] for entry in engine.round_log}
 
 
 def test_static_engine_writes_rows_sampling_settings_only_where_they_change(models):
