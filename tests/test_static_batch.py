@@ -444,3 +444,31 @@ def test_compiled_rounds_write_caches_and_features_in_place():
                          for shape in re.findall(r"empty_strided_\w+\(\(([\d, ]+)\)", code)]
             assert not any(sorted(buffer.shape) in allocated for buffer in buffers)  # ... nor a copy in any layout
             assert torch.equal(compiled.record, eager.record) and torch.equal(compiled.column, eager.column)
+
+
+def test_a_bare_plain_round_runs_exactly_what_plain_decoding_without_a_drafter_runs(target):
+    """A drafter's bare plain round (`greedy_round(0, bare=True)`) runs the same aten operators, in the same order, as
+    a plain round of rounds without a drafter (counted by torch.profiler, eager on the CPU), and commits the same
+    tokens; the drafter's plain round that keeps its features runs more (the tap's concatenation and the append to
+    the pending context)."""
+    drafter = tiny_drafter(target, block_size=5, seed=3)
+    prompts = [[5, 9, 11, 4, 30, 8, 7, 9, 10, 11, 12], [6, 13, 21, 17, 9, 40, 41, 42, 43, 44, 45]]
+    ids, mask = left_padded(prompts)
+
+    def operators(model, bare: bool) -> tuple[list[str], list[int]]:
+        rounds = StaticBatchRounds(target, model, 2, capacity=ids.shape[1] + 16, context_window=12)
+        with torch.no_grad():
+            rounds.prefill(ids, mask)
+            round_ = rounds.greedy_round(0, bare)
+            round_()  # (lazy set-up outside the count)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+                round_()
+        names = [event.name for event in profile.events() if event.name.startswith("aten::")]
+        return names, rounds.record[:, 1].tolist()
+
+    plain, plain_tokens = operators(None, bare=False)
+    bare, bare_tokens = operators(drafter, bare=True)
+    with_features, _ = operators(drafter, bare=False)
+    assert bare == plain and bare_tokens == plain_tokens
+    assert with_features.count("aten::cat") > plain.count("aten::cat")
+    assert with_features.count("aten::index_put_") > plain.count("aten::index_put_")
