@@ -180,12 +180,14 @@
 #     run) with --policies no_spec fixed_3 fixed_7 hardware_aware at c = 128 64 (--requests-per-slot 8, 232 s) and c = 4
 #     1 (32, 237 s): serving_static_code50m_probes_h100_*. At c = 64 the engine ran plain rounds in 99 % of two runs and
 #     served 0.964 x no speculation: a drafting engine's plain rounds cost 2.7 % more, its admissions 5 % more.
+# Forty-fifth session (one H100, fresh): library 6a930e4 (bare plain rounds in a long plain run, admissions without
+#     features, StaticBatchRounds.catch_up) with --policies no_spec fixed_3 fixed_7 hardware_aware --requests-per-slot 8
+#     at c = 64 128 (371 s): serving_static_code50m_bare_h100_c64_128.*. At c = 64 plain rounds and admissions cost what
+#     no speculation's do; 1.0007 x no speculation. c = 4 alone on the same warm machine was cut at 206 s (compiling).
 # Next (one call each, carry_sched; move demo_models/, drafters/ and benchmarks/results/ aside first; a device call
 #     returns at most eight files, so write fewer or split):
-#     1. a drafting engine's plain decoding as cheap as no speculation's (docs/serving_measurements.md, 44th session):
-#        plain rounds without the drafter's features in a long plain run (a catch-up forward over each row's last
-#        γ + 1 tokens before the next drafting round), and the admission without the drafter's context; then the
-#        command below at c = 64 128, then 4 1 (--requests-per-slot 32);
+#     1. the command below at c = 4 1 (--requests-per-slot 32, at least 240 s) with the bare rounds, then c = 128 64
+#        again on the same machine; the catch-up's cost inside a probe (1.5-2 ms at c = 64) may bias the chooser;
 #     2. `PYTHONPATH=src python -m pytest -q -p no:hypothesispytest -n 0 tests/test_cuda_graphs.py tests/test_tensor_ops.py`
 #        (the whole file, more than 270 s on a fresh machine);
 #     3. the command:
