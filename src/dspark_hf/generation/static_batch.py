@@ -401,7 +401,7 @@ class StaticBatchRounds:
         pad = (attention_mask == 0).sum(dim=1)
         positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache()
-        with self._running():
+        with self._running(tapped=prompt_context):  # (without the prompts' context: no features, as in the chunks)
             logits = self.target(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
                                  past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
             features = self.tap.features() if self.tap is not None and prompt_context else None
