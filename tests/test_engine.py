@@ -1019,6 +1019,40 @@ def test_static_engine_runs_bare_plain_rounds_in_a_long_run_and_catches_up_befor
     assert [entry["upkeep"] for entry in engine.round_log].count("catch_up") == 1
 
 
+def test_static_engine_times_a_round_for_its_chooser_without_the_catch_up_it_ran_first(models, monkeypatch):
+    """A catch-up is the price of leaving a long run of plain rounds, not of the drafting width's rounds: `warm_up`
+    times each row prefix's catch-up graph, and the chooser gets the time of the round that ran it first (a probe from
+    such a run, typically) without it. Here every catch-up takes 100 ms more, many of the tiny models' rounds."""
+    from dspark_hf.generation import static_rows
+    from dspark_hf.generation.static_batch import StaticBatchRounds
+
+    monkeypatch.setattr(static_rows, "PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER", 3)
+    catch_up = StaticBatchRounds.catch_up
+    monkeypatch.setattr(StaticBatchRounds, "catch_up", lambda rounds, recent: (time.sleep(0.1),
+                                                                                catch_up(rounds, recent))[1])
+    target, drafter = models
+    engine = DSparkEngine(target, drafter, max_batch_size=2, max_model_len=64, static=True, policy="hardware_aware",
+                          default_sampling={"temperature": 0})
+    runner = engine.runner
+    runner.chooser = chooser = RecordingWidths(runner.chooser.widths, seed=5)
+    chooser.plain_share = 1.0
+    engine.warm_up(progress=False, freeze_gc=False)
+    assert sorted(runner.catch_up_seconds) == sorted(runner.graph_batch_sizes)
+    assert all(0.1 <= seconds < 1.0 for seconds in runner.catch_up_seconds.values())
+    handle = engine.add_request([5, 6, 7], max_tokens=24, ignore_eos=True)
+    for _ in range(5):  # plain rounds, the last two bare
+        engine.step()
+    chooser.plain_share = 0.0
+    for _ in range(4):  # one more plain round (chosen during the last), then drafting rounds: the first catches up
+        engine.step()  # (each round's time is recorded during the next)
+    caught_up = [entry["upkeep"] for entry in engine.round_log].index("catch_up")
+    assert caught_up == 6 and engine.round_log[caught_up]["step_seconds"] >= 0.1
+    records = [call for call in chooser.calls if call[0] == "record"]
+    assert records[caught_up][1] > 0 and chooser.seconds[caught_up] < 0.1  # (a round of the tiny models: ~ms)
+    engine.run()
+    assert handle.tokens == solo(target, handle.prompt_ids, 24)
+
+
 def test_static_engine_without_a_drafter_admits_through_its_one_admission_graph(models, monkeypatch):
     """Plain decoding (no drafter) runs only plain rounds: its admissions after any number of them still go through
     the admission graph that `warm_up()` captures (the one with the prompts' drafter context, which it lacks)."""

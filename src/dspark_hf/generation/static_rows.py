@@ -153,6 +153,9 @@ class StaticRows:
         self.profiler: RoundProfiler | None = None
         self.guard = None
         self.warmed: set[tuple[int, str, int]] = set()  # (rows, kind, width) of the graphs `warm_up` ran twice
+        # per row prefix, the catch-up graph's seconds as `warm_up` timed it: a round that ran a catch-up first is
+        # timed for the chooser without it (0 where not timed)
+        self.catch_up_seconds: dict[int, float] = {}
 
     def set_policy(self, verify: int | None = None, chooser: RoundWidthChooser | None = None) -> None:
         """Each round verifies `verify` drafts of every row (None: all γ), or as many as `chooser` picks. May change
@@ -329,27 +332,30 @@ class StaticRows:
                 for _ in range(WARM_UP_CALLS):  # the admission chunk (its scratch caches only)
                     self.admission.prefill(prompt, torch.ones_like(prompt), prompt_context)
                 bar.update()
-        if len(chunks) == 2 and self.chooser is not None:
-            self.chooser.admission_ratio = self._admission_ratio(prompt)
+        if self.chooser is not None and plain_with_drafter:
+            # the admission chunk's time without the prompts' drafter context over its time with it (at most 1): the
+            # chooser's estimate of what a long run of plain rounds saves on each admission
+            # (`RoundWidthChooser.admission_ratio`) until it has measured both kinds
+            with_context, without = (self._seconds_of(lambda context=context: self.admission.prefill(
+                prompt, torch.ones_like(prompt), context)) for context in (True, False))
+            self.chooser.admission_ratio = min(1.0, without / with_context)
+            for size in sizes:  # the catch-up, which a probe after a long plain run runs first (`step`)
+                rounds = self.rounds.prefix(size)
+                self.catch_up_seconds[size] = self._seconds_of(lambda: rounds.catch_up(self._recent_tokens(size)))
         self.pending = [0] * self.batch_size
         return len(graphs) + len(upkeeps) + len(chunks)
 
-    def _admission_ratio(self, prompt: torch.LongTensor, calls: int = 8) -> float:
-        """The admission chunk's time without the prompts' drafter context over its time with it (the median of
-        `calls` timed runs of each, at most 1): the chooser's estimate of what a long run of plain rounds saves on
-        each admission (`RoundWidthChooser.admission_ratio`) until it has measured both kinds."""
+    def _seconds_of(self, run, calls: int = 8) -> float:
+        """The median wall-clock seconds of `calls` runs of `run()`, each alone on the device."""
         device = self.rounds.target.device
-        times = {}
-        for prompt_context in (True, False):
-            runs = []
-            for _ in range(calls):
-                synchronize(device)
-                started = time.perf_counter()
-                self.admission.prefill(prompt, torch.ones_like(prompt), prompt_context)
-                synchronize(device)
-                runs.append(time.perf_counter() - started)
-            times[prompt_context] = statistics.median(runs)
-        return min(1.0, times[False] / times[True])
+        runs = []
+        for _ in range(calls):
+            synchronize(device)
+            started = time.perf_counter()
+            run()
+            synchronize(device)
+            runs.append(time.perf_counter() - started)
+        return statistics.median(runs)
 
     def _in_a_long_plain_run(self) -> bool:
         """Whether the last `PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER` rounds were plain: plain rounds are then bare and
@@ -429,9 +435,9 @@ class StaticRows:
 
     def _record_last_round(self, seconds: float, overhead: float | None = None) -> None:
         if self._unrecorded is not None:
-            width, accepted, rows, captured, states, refined = self._unrecorded
-            self.chooser.record(width, seconds, accepted, rows, captured, states, requests=len(accepted),
-                                overhead=overhead, refined=refined)
+            width, accepted, rows, captured, states, refined, upkeep_seconds = self._unrecorded
+            self.chooser.record(width, max(seconds - upkeep_seconds, seconds / 10), accepted, rows, captured, states,
+                                requests=len(accepted), overhead=overhead, refined=refined)
             self._unrecorded = None
 
     @torch.no_grad()
@@ -517,7 +523,10 @@ class StaticRows:
         self.plain_rounds_in_a_row = plain_run_after(self.plain_rounds_in_a_row, verify,
                                                      None if self.choice is None else self.choice[0])
         if self.chooser is not None:  # recorded during the next round (whose width was chosen without it)
-            self._unrecorded = (verify, accepted_drafts, count, captured, states, refined)
+            # (a catch-up is the price of leaving a long plain run, not of the width's rounds: a probe from such a
+            # run, which pays it, timed with it made drafting look up to twice as dear on an H100 at c = 64)
+            upkeep_seconds = self.catch_up_seconds.get(count, 0.0) if self.upkeep == "catch_up" else 0.0
+            self._unrecorded = (verify, accepted_drafts, count, captured, states, refined, upkeep_seconds)
             self._states_current = tracked and verify > 0
             if self._states_current:  # (acceptance_state, inline)
                 row_states, full = self.acceptance_states, FULL + verify
