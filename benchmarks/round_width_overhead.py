@@ -96,9 +96,10 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--out", default=str(RESULTS / "round_width_overhead_h200.json"))
     args = parser.parse_args()
-    target, drafter, prompts = load_models("code50m", torch.bfloat16, args.device)
+    target, drafter, prompts = load_models("code50m", getattr(torch, args.dtype), args.device)
     result = dict(benchmark="round_width_overhead", environment=environment(), settings=vars(args), cells={})
     out = Path(args.out)
     for concurrency in args.concurrency:

@@ -345,11 +345,12 @@ class StaticRows:
         self.pending = [0] * self.batch_size
         return len(graphs) + len(upkeeps) + len(chunks)
 
-    def _seconds_of(self, run, calls: int = 8) -> float:
-        """The median wall-clock seconds of `calls` runs of `run()`, each alone on the device."""
+    def _seconds_of(self, run, calls: int = 8, least: int = 3, budget: float = 0.25) -> float:
+        """The median wall-clock seconds of `calls` runs of `run()`, each alone on the device (only `least` once they
+        took `budget` seconds: a GPU's graphs take about a millisecond, a CPU's eager forwards up to a second)."""
         device = self.rounds.target.device
         runs = []
-        for _ in range(calls):
+        while len(runs) < calls and (len(runs) < least or sum(runs) < budget):
             synchronize(device)
             started = time.perf_counter()
             run()
