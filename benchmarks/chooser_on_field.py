@@ -20,6 +20,8 @@ width as mean ± standard error over the seeds. `--admission-ms` charges each re
 drafter context, or without it for plain decoding and for the chooser after a long run of plain rounds) and tells the
 chooser of it, as `StaticRows` does (`--untold-admissions`: charged but not told); the acceptance of rows that joined
 without the context is taken as that of the others (in the engine their drafts see less context until it fills).
+`--catch-up-ms` charges the catch-up a drafting round runs first after bare plain rounds or such admissions, and tells
+the chooser the round's time without it, as `StaticRows` does since 2026-12-07 (`--told-catch-up`: with it, as before).
 """
 
 from __future__ import annotations
@@ -91,7 +93,8 @@ class FieldRows:
 def serve(field: list[list[int]], lengths: list[int], rows: FieldRows, width: int | None,
           chooser: RoundWidthChooser | None, round_seconds: Callable[[int, float], float],
           switch_cost: float = 0.0, step_overhead: Callable[[int, float], float] | None = None,
-          overhead: str = "told", admission: tuple[float, float] | None = None, told_admissions: bool = True) -> dict:
+          overhead: str = "told", admission: tuple[float, float] | None = None, told_admissions: bool = True,
+          catch_up: float = 0.0, told_catch_up: bool = False) -> dict:
     """One run of requests of `lengths` (request i on field row i mod the field's rows): tokens, GPU seconds and
     rounds per width; a fixed `width`, or `chooser`'s choice each round, which takes `round_seconds(width, seconds
     of the run so far)`, times 1 + `switch_cost` after a round of another width, and `step_overhead(width, seconds
@@ -101,17 +104,21 @@ def serve(field: list[list[int]], lengths: list[int], rows: FieldRows, width: in
     free), the latter for plain decoding (`width` 0) and for the chooser's requests that join after
     `PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER` plain rounds in a row (its probes neither end nor lengthen the run), as
     `StaticRows` admits them; the chooser is told each admission and each request that leaves (unless not
-    `told_admissions`: as before 2026-12-06)."""
+    `told_admissions`: as before 2026-12-06). `catch_up`: the seconds a drafting round pays first after bare plain
+    rounds (`PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER` plain rounds in a row on) or admissions without the prompts'
+    drafter context, as `StaticRows` runs `StaticBatchRounds.catch_up`; the chooser gets the round's time without it
+    (with `told_catch_up`, with it: as before 2026-12-07)."""
     told_admissions = told_admissions and chooser is not None
     waiting = [(index % len(field), length) for index, length in enumerate(lengths)]
     seconds, widths, planned, unrecorded, drafted_last, last_width = 0.0, Counter(), None, None, False, None
     reason = round_reason = None  # (the chooser's reason for the planned width; for this round's)
-    states_current = True
+    states_current, behind = True, False  # (behind: the next drafting round catches up first)
     count = rows.concurrency
     while waiting or rows.occupied():
         joined = rows.admit(waiting)
+        context = width != 0 and rows.plain_run < PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER
+        behind = behind or (joined > 0 and not context)
         if joined and admission is not None:
-            context = width != 0 and rows.plain_run < PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER
             admitting = joined * admission[0 if context else 1]
             seconds += admitting
             if told_admissions:
@@ -135,6 +142,12 @@ def serve(field: list[list[int]], lengths: list[int], rows: FieldRows, width: in
         else:
             verify = width
         took = round_seconds(verify, seconds) * (1.0 + switch_cost if last_width not in (None, verify) else 1.0)
+        caught_up = 0.0  # (the catch-up's seconds this round ran first)
+        if verify == 0 and rows.plain_run >= PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER:  # a bare plain round
+            behind = True
+        elif verify > 0 and behind:
+            caught_up, behind = catch_up, False
+        took += caught_up
         around = step_overhead(verify, seconds) if step_overhead is not None else 0.0
         last_width = verify
         if chooser is not None:  # during the round: the one before recorded, the next one's width chosen
@@ -151,7 +164,8 @@ def serve(field: list[list[int]], lengths: list[int], rows: FieldRows, width: in
         drafted_last = verify > 0
         rows.plain_run = plain_run_after(rows.plain_run, verify, round_reason)
         if chooser is not None:
-            told = {"told": (took, around), "folded": (took + around, None), "none": (took, None)}[overhead]
+            timed = took if told_catch_up else took - caught_up
+            told = {"told": (timed, around), "folded": (timed + around, None), "none": (timed, None)}[overhead]
             unrecorded = (verify, told[0], accepted, count, False, states, told[1], refined)
             states_current = len(occupied) <= chooser.state_rows and verify > 0
             if states_current:
@@ -189,15 +203,17 @@ def run_policy(field: list[list[int]], policy: str, concurrency: int, args, seed
         chooser.admission_ratio = min(1.0, admission[1] / admission[0])
     width = None if chooser is not None else int(policy.removeprefix("fixed_"))
     times = {width: ms / 1e3 for width, ms in zip(WIDTHS, args.times)}
+    catch_up = args.catch_up_ms / 1e3
     clocks = [measured_times(machine) for machine in machines] if machines else \
         [noisy_times(times, args.spread, rng)] * (args.repeats + 1)
     around = [measured_times(machine, "overhead") for machine in machines] if machines else [None] * len(clocks)
     warm_up = argparse.Namespace(**{**vars(args), "max_new_tokens": 8})
     serve(field, request_lengths(request_count(concurrency, warm_up), warm_up), rows, width, chooser, clocks[0],
-          args.switch_cost, around[0], args.overhead, admission, not args.untold_admissions)
+          args.switch_cost, around[0], args.overhead, admission, not args.untold_admissions, catch_up,
+          args.told_catch_up)
     lengths = request_lengths(request_count(concurrency, args), args)
     return [serve(field, lengths, rows, width, chooser, clock, args.switch_cost, step_overhead, args.overhead,
-                  admission, not args.untold_admissions)
+                  admission, not args.untold_admissions, catch_up, args.told_catch_up)
             for clock, step_overhead in zip(clocks[1: args.repeats + 1], around[1:])]
 
 
@@ -249,6 +265,11 @@ def main() -> None:
                              "H100 at c = 128: 0.2225 and 0.2033)")
     parser.add_argument("--untold-admissions", action="store_true",
                         help="with --admission-ms: the admissions cost their time but the chooser is not told them")
+    parser.add_argument("--catch-up-ms", type=float, default=0.0,
+                        help="what a drafting round pays first after bare plain rounds (StaticBatchRounds.catch_up; "
+                             "on an H100 at c = 64 about 0.8 ms); the chooser gets the round's time without it")
+    parser.add_argument("--told-catch-up", action="store_true",
+                        help="with --catch-up-ms: the chooser gets the round's time with it (before 2026-12-07)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     field = json.loads(args.field.read_text())["accepted"]

@@ -540,6 +540,42 @@ def test_chooser_on_field_serves_fixed_widths_exactly_and_runs_the_chooser_as_th
                for seconds, requests, context in admissions)
 
 
+def test_chooser_on_field_charges_a_catch_up_after_bare_plain_rounds_and_tells_the_chooser_the_round_without_it():
+    """`serve(catch_up=...)`: after `PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER` plain rounds in a row the plain rounds
+    are bare, and the next drafting round pays the catch-up first, once; the chooser gets that round's time without
+    it (with `told_catch_up`, with it). A fixed drafting width never pays one."""
+    import chooser_on_field
+
+    from dspark_hf.generation.static_rows import PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER as LONG
+
+    class Scripted(RoundWidthChooser):  # plain rounds, then rounds of 3 drafts; notes what `record` is told
+        def __init__(self):
+            super().__init__((0, 3), state_rows=0)
+            self.script, self.recorded = iter([0] * (LONG + 8)), []
+
+        def choose(self, rows=0, requests=None):
+            self.reason = "settled"
+            return next(self.script, 3)
+
+        def record(self, width, seconds, *args, **kwargs):
+            self.recorded.append((width, seconds))
+
+    field, times = [[0] * 80] * 2, {0: 1e-3, 3: 3e-3}
+    clock = chooser_on_field.noisy_times(times, 0.0, random.Random(0))
+    for told in (False, True):
+        chooser = Scripted()
+        served = chooser_on_field.serve(field, [60, 60], chooser_on_field.FieldRows(field, 2), None, chooser, clock,
+                                        catch_up=5e-3, told_catch_up=told)
+        assert served["rounds"] == {0: LONG + 8, 3: 59 - LONG - 8}
+        assert served["gpu_seconds"] == pytest.approx(sum(times[w] * n for w, n in served["rounds"].items()) + 5e-3)
+        drafting = [seconds for width, seconds in chooser.recorded if width == 3]
+        assert len(drafting) == 59 - LONG - 8 and drafting[0] == pytest.approx(8e-3 if told else 3e-3)
+        assert drafting[1:] == pytest.approx([3e-3] * (len(drafting) - 1))
+    fixed = chooser_on_field.serve(field, [60, 60], chooser_on_field.FieldRows(field, 2), 3, None, clock,
+                                   catch_up=5e-3)
+    assert fixed["gpu_seconds"] == pytest.approx(3e-3 * 59)
+
+
 def test_row_freeing_times_the_upkeep_and_leaves_the_rows_free():
     """`benchmarks/row_freeing.py` on the CPU: per number of freed rows, greedy and sampled, the host time of `remove`
     and of an admission's sampling settings (the spread of its trials)."""

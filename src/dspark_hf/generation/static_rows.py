@@ -287,7 +287,9 @@ class StaticRows:
         among `widths` also the one without the drafter's context of the prompts).
         With `compile`, these calls compile and capture the CUDA graphs, so that served rounds only replay graphs and
         the chooser times them from the first (on the H200 a round's first capture took 2-4x its time).
-        The rounds run on free rows, whose results are dropped. Returns the number of graphs run."""
+        The rounds run on free rows, whose results are dropped. With a chooser and plain rounds among `widths`, it
+        then times the two admission chunks (`RoundWidthChooser.admission_ratio`) and each prefix's catch-up
+        (`catch_up_seconds`). Returns the number of graphs run."""
         if self.rows:
             raise RuntimeError("warm_up() runs before the first request.")
         self.keep_graphs_valid()
