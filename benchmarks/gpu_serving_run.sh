@@ -184,10 +184,14 @@
 #     features, StaticBatchRounds.catch_up) with --policies no_spec fixed_3 fixed_7 hardware_aware --requests-per-slot 8
 #     at c = 64 128 (371 s): serving_static_code50m_bare_h100_c64_128.*. At c = 64 plain rounds and admissions cost what
 #     no speculation's do; 1.0007 x no speculation. c = 4 alone on the same warm machine was cut at 206 s (compiling).
+# Forty-sixth session (2026-12-07): no device machine could be started (every call refused, 1 800 s of device time
+#     spent on refusals). The chooser now gets a round that caught up first without the catch-up's time (library
+#     aff8e13 on): item 1 below measures it; the CPU twin (chooser_catch_up_twin_cpu.json) expects 0.99 x the best
+#     fixed width at c = 64 and 128 either way round (before: 0.964-0.967 where gamma = 3 led).
 # Next (one call each, carry_sched; move demo_models/, drafters/ and benchmarks/results/ aside first; a device call
 #     returns at most eight files, so write fewer or split):
-#     1. the command below at c = 4 1 (--requests-per-slot 32, at least 240 s) with the bare rounds, then c = 128 64
-#        again on the same machine; the catch-up's cost inside a probe (1.5-2 ms at c = 64) may bias the chooser;
+#     1. the command below at c = 64 128 (--requests-per-slot 8, about 370 s on a fresh machine) with the catch-up
+#        left out of probe times, then c = 4 1 (--requests-per-slot 32, at least 250 s) on the same warm machine;
 #     2. `PYTHONPATH=src python -m pytest -q -p no:hypothesispytest -n 0 tests/test_cuda_graphs.py tests/test_tensor_ops.py`
 #        (the whole file, more than 270 s on a fresh machine);
 #     3. the command:

@@ -927,6 +927,16 @@ def test_static_engine_keeps_a_run_of_plain_rounds_through_the_choosers_probes(m
         assert handle.tokens == solo(target, handle.prompt_ids, handle.params.max_tokens)
 
 
+def plain_recording_engine(models, max_batch_size: int) -> tuple[DSparkEngine, RecordingWidths]:
+    """A static hardware-aware engine (greedy) whose chooser is a RecordingWidths running plain rounds only."""
+    target, drafter = models
+    engine = DSparkEngine(target, drafter, max_batch_size=max_batch_size, max_model_len=64, static=True,
+                          policy="hardware_aware", default_sampling={"temperature": 0})
+    engine.runner.chooser = chooser = RecordingWidths(engine.runner.chooser.widths, seed=5)
+    chooser.plain_share = 1.0
+    return engine, chooser
+
+
 def test_static_engine_tells_its_chooser_each_admission_and_its_kind(models, monkeypatch):
     """Every admission into running rows reaches the chooser (not the first prefill, which sets up every row: here
     `warm_up`'s): its seconds (here each chunked admission takes 50 ms more), its requests, and whether they joined
@@ -936,16 +946,12 @@ def test_static_engine_tells_its_chooser_each_admission_and_its_kind(models, mon
     from dspark_hf.generation import static_rows
 
     monkeypatch.setattr(static_rows, "PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER", 3)
-    target, drafter = models
-    engine = DSparkEngine(target, drafter, max_batch_size=3, max_model_len=64, static=True, policy="hardware_aware",
-                          default_sampling={"temperature": 0})
+    engine, chooser = plain_recording_engine(models, max_batch_size=3)
     runner = engine.runner
-    runner.chooser = chooser = RecordingWidths(runner.chooser.widths, seed=5)
-    chooser.plain_share = 1.0
     prefill = runner.admission.prefill
 
     def timed_prefill(input_ids, attention_mask, prompt_context=True):
-        time.sleep(0.04 if prompt_context else 0.02)
+        time.sleep(0.2 if prompt_context else 0.1)
         return prefill(input_ids, attention_mask, prompt_context)
 
     monkeypatch.setattr(runner.admission, "prefill", timed_prefill)
@@ -974,9 +980,7 @@ def test_static_engine_tells_its_chooser_each_admission_and_its_kind(models, mon
     engine.run()
     assert sum(requests for _, requests in chooser.finished) == 3  # each request's tokens once, when it leaves
     assert sum(tokens for tokens, _ in chooser.finished) == sum(len(handle.tokens) for handle in handles)
-    cold = DSparkEngine(target, drafter, max_batch_size=3, max_model_len=64, static=True, policy="hardware_aware",
-                        default_sampling={"temperature": 0})
-    cold.runner.chooser = chooser = RecordingWidths(cold.runner.chooser.widths, seed=5)
+    cold, chooser = plain_recording_engine(models, max_batch_size=3)
     cold.add_request([5, 6, 7], max_tokens=4)
     cold.step()  # the first prefill, of every row
     assert chooser.admissions == [] and chooser.admission_ratio == 1.0
@@ -1030,12 +1034,9 @@ def test_static_engine_times_a_round_for_its_chooser_without_the_catch_up_it_ran
     catch_up = StaticBatchRounds.catch_up
     monkeypatch.setattr(StaticBatchRounds, "catch_up", lambda rounds, recent: (time.sleep(0.1),
                                                                                 catch_up(rounds, recent))[1])
-    target, drafter = models
-    engine = DSparkEngine(target, drafter, max_batch_size=2, max_model_len=64, static=True, policy="hardware_aware",
-                          default_sampling={"temperature": 0})
+    target, _ = models
+    engine, chooser = plain_recording_engine(models, max_batch_size=2)
     runner = engine.runner
-    runner.chooser = chooser = RecordingWidths(runner.chooser.widths, seed=5)
-    chooser.plain_share = 1.0
     engine.warm_up(progress=False, freeze_gc=False)
     assert sorted(runner.catch_up_seconds) == sorted(runner.graph_batch_sizes)
     assert all(0.1 <= seconds < 1.0 for seconds in runner.catch_up_seconds.values())
