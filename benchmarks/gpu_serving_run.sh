@@ -184,7 +184,7 @@
 #     features, StaticBatchRounds.catch_up) with --policies no_spec fixed_3 fixed_7 hardware_aware --requests-per-slot 8
 #     at c = 64 128 (371 s): serving_static_code50m_bare_h100_c64_128.*. At c = 64 plain rounds and admissions cost what
 #     no speculation's do; 1.0007 x no speculation. c = 4 alone on the same warm machine was cut at 206 s (compiling).
-# Forty-sixth session (2026-12-07): no device machine could be started (every call refused, 1 800 s of device time
+# Forty-sixth session (2026-12-07): no device machine could be started (all 14 calls refused, 1 520 s of device time
 #     spent on refusals). The chooser now gets a round that caught up first without the catch-up's time (library
 #     aff8e13 on): item 1 below measures it; the CPU twin (chooser_catch_up_twin_cpu.json) expects 0.99 x the best
 #     fixed width at c = 64 and 128 either way round (before: 0.964-0.967 where gamma = 3 led).
