@@ -439,6 +439,7 @@ class StaticRows:
     def _record_last_round(self, seconds: float, overhead: float | None = None) -> None:
         if self._unrecorded is not None:
             width, accepted, rows, captured, states, refined, upkeep_seconds = self._unrecorded
+            # (the warm-up's catch-up time is a median of its own runs: kept from exceeding the round's, whatever noise)
             self.chooser.record(width, max(seconds - upkeep_seconds, seconds / 10), accepted, rows, captured, states,
                                 requests=len(accepted), overhead=overhead, refined=refined)
             self._unrecorded = None
