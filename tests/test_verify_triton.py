@@ -20,7 +20,7 @@ from dspark_hf.verify import verify  # noqa: E402
 
 @child_only
 def test_in_child_process():
-    run_in_child_process(__file__, timeout=300)
+    run_in_child_process(__file__, timeout=900)  # (a guard against a hang: 180-250 s on a 2-core CI machine)
 
 
 def both(*args, **kw):
@@ -102,12 +102,14 @@ def test_large_vocab_few_rows():
 @pytest.mark.parametrize("pair,group", [(0, 1024), (2, 2)])
 def test_distribution_triton(pair, group, monkeypatch):
     """Chi-square (alpha = 1e-3 per test) on the Triton kernel itself: first token, and the
-    bonus token given a full accept; 300 requests (the interpreter is slow). group 2: the two-level
+    bonus token given a full accept; 150 requests (the interpreter is slow: 0.1-0.2 s a request), enough
+    for gross errors. The kernel's tokens are also the torch reference's, draw for draw, and the
+    reference's distribution is tested on 20 000 requests (test_verify.py). group 2: the two-level
     race over 4 groups of the 8 ids."""
     from dspark_hf.verify import rng
 
     monkeypatch.setattr(rng, "RACE_GROUP", group)
-    d, nd, logits, q, kw, target = stat_batch(pair, R=300, V=8, l=1)
+    d, nd, logits, q, kw, target = stat_batch(pair, R=150, V=8, l=1)
     res = verify(d, nd, logits, q, backend="triton", **kw)
     pv = check_distribution(res, target, 1)
     assert min(pv) > ALPHA, pv
