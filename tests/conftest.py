@@ -38,7 +38,7 @@ def unfrozen_gc():
 # cold). Node-id prefixes; the other tests keep their collection order.
 RUN_FIRST = (
     "tests/test_static_loop.py::test_inductor_",  # ~65 s (cold caches, as in CI)
-    "tests/test_verify_triton.py::test_in_child_process",  # ~80 s
+    "tests/test_verify_triton.py::test_in_child_process",  # ~125 s alone, up to 250 s beside the other worker
     "tests/test_generation_stateful.py::test_stateful_sampling_matches_target_distribution",  # ~70 s
     "tests/test_generation_sampling.py::test_sampling_matches_target_distribution[t1.0]",  # 40-50 s each
     "tests/test_static_batch.py::test_inductor_",  # ~40 s after test_static_loop's
