@@ -20,7 +20,7 @@ from dspark_hf.verify import verify  # noqa: E402
 
 @child_only
 def test_in_child_process():
-    run_in_child_process(__file__, timeout=900)  # (a guard against a hang: 180-250 s on a 2-core CI machine)
+    run_in_child_process(__file__, timeout=900)  # (a guard against a hang: 125-250 s on a 2-core CI machine)
 
 
 def both(*args, **kw):
