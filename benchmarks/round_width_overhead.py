@@ -22,9 +22,18 @@ were 1.1-4.2 % and 0.8-1.5 % longer than `fixed_7`'s. The extra graphs cost noth
 scatter by ±2 %). Since then the static engine records a round during the next one, while the device runs it, and
 chooses the round after then too (`StaticRows.step`).
 
-Reported per engine and concurrency: the median draft + verify time of its rounds that verified 7 drafts (the
-engine's `round_log` `step_seconds`, which include the chooser's `choose` and `record`), over `--repeats` runs after
-a warm-up run, their ratio to `fixed_7`'s, and the mean host time of the `hardware_aware` chooser's calls.
+`--width W` (3, 1 or 0) asks the same of the rounds of W drafts (0: plain rounds), where the serving cells of
+2026-12-07 still found the hardware-aware engine's rounds 3-11 µs longer than the fixed engine's (docs/serving.md),
+with other engines: `fixed_W` (W = 0: the engine without speculation), `fixed_W_replica` (a second engine just like
+it: how far two engines of one policy differ), `hardware_aware_pinned_W`, `hardware_aware_pinned_W_no_refine` (its
+chooser's `state_rows` 0: no `refine` before a round of few rows) and `hardware_aware`:
+
+    PYTHONPATH=src python benchmarks/round_width_overhead.py --width 3 --concurrency 1 4 --repeats 3
+
+Reported per engine and concurrency: the median draft + verify time of its rounds that verified W drafts with every
+row running, no admission and no drafter-context upkeep (the engine's `round_log` `step_seconds`, which include the
+host work before the round's launch and after its synchronisation), over `--repeats` runs after a warm-up run, their
+ratio to the first engine's, and the mean host time of the `hardware_aware` chooser's calls.
 """
 
 from __future__ import annotations
@@ -42,30 +51,52 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, environment  # noqa: E402
 from serving import load_models, step_in_turn  # noqa: E402
 
+from dspark_hf.generation.static_rows import PENDING_ROUNDS  # noqa: E402
 from dspark_hf.serving import DSparkEngine  # noqa: E402
 
-ENGINES = ("fixed_7", "fixed_7_all_widths", "hardware_aware_pinned_7", "hardware_aware_pinned_7_no_record",
-           "hardware_aware")
+def engine_names(width: int = 7) -> tuple[str, ...]:
+    """The engines compared by default for rounds of `width` drafts (`--width`; 0: plain rounds, where `fixed_0` is
+    the engine without speculation); `--engines` names others (`build`)."""
+    if width == 7:  # (the first experiment's set)
+        return ("fixed_7", "fixed_7_all_widths", "hardware_aware_pinned_7", "hardware_aware_pinned_7_no_record",
+                "hardware_aware")
+    return (f"fixed_{width}", f"fixed_{width}_replica", f"hardware_aware_pinned_{width}",
+            f"hardware_aware_pinned_{width}_no_refine", "hardware_aware")
 
 
-def build(name: str, target, drafter, concurrency: int, max_model_len: int) -> DSparkEngine:
-    fixed = name.startswith("fixed_7")
-    engine = DSparkEngine(target, drafter, static=True, policy="fixed" if fixed else "hardware_aware",
-                          gamma=7 if fixed else None, max_batch_size=concurrency, max_model_len=max_model_len,
-                          static_graph_batch_sizes={concurrency}, static_admission_rows=16)
-    engine.warm_up(widths=(0, 1, 3, 7) if name == "fixed_7_all_widths" else None, progress=False)
+ENGINES = engine_names()
+
+
+def build(name: str, target, drafter, concurrency: int, max_model_len: int, width: int = 7) -> DSparkEngine:
+    """The engine `name`: `fixed_W` (W = 0: without speculation), with `_replica` a second one just like it, with
+    `_wide` (W = 0) its KV caches as long as the speculative engines' (their drafter context's reach), with
+    `_all_widths` the graphs of widths 0, 1, 3 and 7 compiled too; `hardware_aware_pinned_W`, its chooser's choice
+    pinned to W, with `_no_record` (its chooser records nothing) and / or `_no_refine` (`state_rows` 0); or
+    `hardware_aware`."""
+    fixed = name.startswith(f"fixed_{width}")
+    policy = "hardware_aware" if not fixed else "fixed" if width else "none"
+    if name.endswith("_wide") and policy == "none":  # (a speculative engine's caches also hold its drafter's reach)
+        span = drafter.config.num_draft_slots + 1
+        max_model_len += 2 * span + PENDING_ROUNDS * span - 2
+    engine = DSparkEngine(target, drafter if policy != "none" else None, static=True, policy=policy,
+                          gamma=width if policy == "fixed" else None, max_batch_size=concurrency,
+                          max_model_len=max_model_len, static_graph_batch_sizes={concurrency},
+                          static_admission_rows=16)
+    engine.warm_up(widths=(0, 1, 3, 7) if name.endswith("_all_widths") else None, progress=False)
     chooser = engine.runner.chooser
-    if name.startswith("hardware_aware_pinned_7"):
-        chooser.choose = lambda rows, requests=None: 7
-    if name == "hardware_aware_pinned_7_no_record":
+    if name.startswith(f"hardware_aware_pinned_{width}"):
+        chooser.choose = lambda rows, requests=None: width
+    if "_no_record" in name:
         chooser.record = lambda *args, **kwargs: None
+    if "_no_refine" in name:
+        chooser.state_rows = 0
     if name == "hardware_aware":
-        for method in ("choose", "record"):
+        for method in CHOOSER_SECONDS:
             setattr(chooser, method, timed(getattr(chooser, method), CHOOSER_SECONDS[method]))
     return engine
 
 
-CHOOSER_SECONDS: dict[str, list[float]] = {"choose": [], "record": []}
+CHOOSER_SECONDS: dict[str, list[float]] = {"choose": [], "record": [], "prepare": [], "refine": []}
 
 
 def timed(function, seconds: list[float]):
@@ -77,16 +108,18 @@ def timed(function, seconds: list[float]):
     return call
 
 
-def run(engines: dict[str, DSparkEngine], prompts, concurrency: int, new_tokens: int, seed: int) -> dict:
-    """One run: `concurrency` requests per engine, stepped in turn (`serving.step_in_turn`); each engine's γ = 7
-    round times (ms)."""
+def run(engines: dict[str, DSparkEngine], prompts, concurrency: int, new_tokens: int, seed: int,
+        width: int = 7) -> dict:
+    """One run: `concurrency` requests per engine, stepped in turn (`serving.step_in_turn`); each engine's times (ms)
+    of its rounds that verified `width` drafts with every row running, no admission and no drafter-context upkeep."""
     for engine in engines.values():
         engine.round_log.clear()
         for i in range(concurrency):
             engine.add_request(prompts[i % len(prompts)], max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     step_in_turn(engines, seed=seed)
     return {name: [1e3 * entry["step_seconds"] for entry in engine.round_log
-                   if entry["speculative"] and max(entry["verify"]) == 7 and entry["batch"] == concurrency]
+                   if entry["speculative"] == (width > 0) and max(entry["verify"]) == width
+                   and entry["batch"] == concurrency and not entry["admitted"] and not entry["upkeep"]]
             for name, engine in engines.items()}
 
 
@@ -95,6 +128,10 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[2, 16])
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--width", type=int, default=7, choices=(0, 1, 3, 7),
+                        help="the rounds compared: of this many drafts (0: plain rounds, against no speculation)")
+    parser.add_argument("--engines", nargs="+", help="the engines compared (see `build`), the first the reference; "
+                                                     "default: the five of --width")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--out", default=str(RESULTS / "round_width_overhead_h200.json"))
@@ -107,17 +144,20 @@ def main() -> None:
             seconds.clear()
         max_model_len = max(map(len, prompts)) + args.new_tokens + 8
         started = time.perf_counter()
-        engines = {name: build(name, target, drafter, concurrency, max_model_len) for name in ENGINES}
+        names = tuple(args.engines or engine_names(args.width))
+        engines = {name: build(name, target, drafter, concurrency, max_model_len, args.width) for name in names}
         compile_seconds = time.perf_counter() - started
-        run(engines, prompts, concurrency, 8, seed=0)  # warm-up run
-        times = {name: [] for name in ENGINES}
+        run(engines, prompts, concurrency, 8, seed=0, width=args.width)  # warm-up run
+        times = {name: [] for name in names}
+        reference = names[0]
         for repeat in range(args.repeats):
-            for name, values in run(engines, prompts, concurrency, args.new_tokens, seed=repeat + 1).items():
+            for name, values in run(engines, prompts, concurrency, args.new_tokens, seed=repeat + 1,
+                                    width=args.width).items():
                 times[name].append(statistics.median(values) if values else None)
         cell = dict(compile_seconds=round(compile_seconds, 1), median_step_ms_runs=times,
-                    ratio_to_fixed_7_runs={name: [round(t / f, 4) if t and f else None
-                                                  for t, f in zip(times[name], times["fixed_7"])]
-                                           for name in ENGINES},
+                    **{f"ratio_to_{reference}_runs": {name: [round(t / f, 4) if t and f else None
+                                                             for t, f in zip(times[name], times[reference])]
+                                                      for name in names}},
                     chooser_call_us={method: round(1e6 * statistics.fmean(seconds), 2)
                                      for method, seconds in CHOOSER_SECONDS.items() if seconds})
         result["cells"][str(concurrency)] = cell

@@ -667,10 +667,14 @@ def test_width_chooser_estimates_acceptance_per_state_with_every_row_as_prior():
     # every row: draft 1 reached 4x, accepted 3x: (3 + 1) / (4 + 2); draft 2: 3, 2: (2 + 1) / (3 + 2)
     pooled = [2 / 3, 3 / 5]
     assert chooser.survival() == pytest.approx(_survival(pooled))
-    # state 5: draft 1 reached 2x, accepted 2x; draft 2: 2, 2; each with 2 drafts at the pooled hazard added
-    five = [(2 + 2 * pooled[0]) / 4, (2 + 2 * pooled[1]) / 4]
-    # state 0: draft 1 reached 2x, accepted 1x; draft 2 reached 1x, accepted 0x
-    zero = [(1 + 2 * pooled[0]) / 4, (0 + 2 * pooled[1]) / 3]
+    # state 5: draft 1 reached 2x, accepted 2x; draft 2: 2, 2; each with 2 drafts added at the pooled hazard, or at
+    # the state's own hazard of the draft before where that is higher (here draft 2's: 5/6 > 3/5)
+    five = [(2 + 2 * pooled[0]) / 4]
+    five.append((2 + 2 * max(pooled[1], five[0])) / 4)
+    # state 0: draft 1 reached 2x, accepted 1x; draft 2 reached 1x, accepted 0x (7/12 < 3/5: the pooled hazard)
+    zero = [(1 + 2 * pooled[0]) / 4]
+    zero.append((0 + 2 * max(pooled[1], zero[0])) / 3)
+    assert five[1] > (2 + 2 * pooled[1]) / 4 and zero[1] == (0 + 2 * pooled[1]) / 3
     for state, hazards in ((5, five), (0, zero), (3, pooled)):  # (state 3: never seen, the pooled estimate)
         assert chooser.state_tokens(state) == pytest.approx([1.0, *(1 + s for s in itertools.accumulate(
             _survival(hazards)))])
@@ -776,6 +780,38 @@ def test_width_chooser_refines_its_choice_by_the_rows_states():
     assert chooser.refine(width, [FULL + 7] * 4 + [0]) == width  # more than `state_rows` rows: as chosen
     chooser.reason = "keep"
     assert chooser.refine(0, [FULL + 7] * 4) == 7  # a plain round may become a drafting one
+
+
+def test_width_chooser_tries_a_wider_width_for_rows_that_accept_more_than_the_average():
+    """With γ = 3 chosen the average row's drafts 4-7 are verified only by rare rounds of 7, here unlucky ones (slot 4
+    reached 4 times, never accepted). Rows that just accepted all 3 drafts accept 4 of 5 drafts: their drafts 4-7 take
+    that rate, not the average row's, so `refine` gives them 7 drafts (on an H100 at c = 1, with the average row's
+    rate as their prior, it never did, though fixed γ = 7's rounds after such a round accepted 2.87 drafts); rows that
+    accepted none keep 3. Its answers are kept until `prepare` builds its table again."""
+    seconds = {0: 0.34, 1: 0.49, 3: 0.5, 7: 0.55}
+    chooser = RoundWidthChooser(tuple(seconds), decay=1.0, state_every=4)
+    rng = random.Random(0)
+    for _ in range(4):
+        chooser.record(7, seconds[7], [3], captured=True)
+    for index in range(600):  # rows in state 0 accept each draft with probability 0.45, in FULL + 3 with 0.8
+        width = chooser.choose()
+        state = FULL + 3 if index % 5 == 0 else 0
+        rate = 0.8 if state == FULL + 3 else 0.45
+        chooser.record(width, seconds[width], [next(k for k in range(width + 1) if k == width or rng.random() > rate)],
+                       captured=True, states=[state])
+    assert chooser.choose() == 3 and chooser.reason in REFINED
+    # the average row: 7 drafts cost 1.1x as much as 3 and bring less than 1.1x the tokens (the unlucky rounds of 7)
+    assert chooser.expected_tokens(7) < 1.05 * chooser.expected_tokens(3)
+    chooser.prepare()
+    assert chooser.refine(3, [FULL + 3]) == 7 and chooser.reason == "state"
+    assert chooser.state_tokens(FULL + 3)[7] > 1.15 * chooser.state_tokens(FULL + 3)[3]
+    chooser.reason = "settled"
+    assert chooser.refine(3, [0]) == 3 and chooser.reason == "settled"
+    assert set(chooser._refined) == {(True, FULL + 3), (True, 0)}
+    for _ in range(4):  # (`state_every` rounds later the table is built again, and the answers with it)
+        chooser.record(3, seconds[3], [0], captured=True, states=[0])
+    chooser.prepare()
+    assert chooser._refined == {} and chooser.refine(3, [FULL + 3]) == 7
 
 
 def test_width_chooser_refines_a_settled_choice_while_another_group_times_a_width_again():
