@@ -192,11 +192,19 @@
 #     c = 64 128 (258 s) then c = 4 1 (266 s) on the warm machine: serving_static_code50m_catch_up_untimed_h100_*.
 #     Hardware-aware / best: 0.990 (c = 1), 0.986 (4), 0.980 (64), 0.988 (128). Then the two test files under a
 #     420 s limit were cut before pytest's summary (no failure printed).
+# Forty-eighth session (2026-12-07, one H100, five fresh machines, 1 648 s of device time): round_width_overhead.py
+#     --width 3 --concurrency 1 then --width 0 --concurrency 128 (479 s; round_width_overhead_w{3,0}_*_h100.json);
+#     library 950fab7 (a state's prior from its own slot before) at c = 1 2 with --requests-per-slot 32 (316 s):
+#     serving_static_code50m_state_prior_h100_c1_2.*, hardware-aware / best 0.997 (c = 1), 0.992 (2);
+#     round_width_overhead.py --width 3 --concurrency 1 --round-parts twice (154 s, 206 s;
+#     round_width_overhead_parts_w3_c1*_h100.json); c = 4 with hardware_aware_state_rows_4 beside the four policies
+#     (166 s): serving_static_code50m_state_rows4_h100_c4.*, 0.983 (state_rows 4: 0.968).
 # Next (one call each, carry_sched; move demo_models/, drafters/ and benchmarks/results/ aside first; a device call
 #     returns at most eight files, so write fewer or split):
 #     1. `PYTHONPATH=src python -m pytest -q -p no:hypothesispytest -n 0 tests/test_cuda_graphs.py` and, in a second
 #        call, tests/test_tensor_ops.py (together they took more than 420 s on a fresh machine);
-#     2. the command:
+#     2. c = 64 128 and c = 4 1 again only after a change that touches them (the 48th session's change acts on rounds
+#        of at most 2 rows); the command:
 #        SERVING_TIMEOUT=420 OUT=$OUT bash benchmarks/gpu_serving_run.sh --model code50m --static
 #        --graph-sizes-per-cell 1 --max-new-tokens 64 --repeats 3 --no-paged --policies no_spec fixed_3
 #        fixed_7 hardware_aware --requests-per-slot 8 --min-requests 64 --admission-rows 16

@@ -28,7 +28,13 @@ with other engines: `fixed_W` (W = 0: the engine without speculation), `fixed_W_
 it: how far two engines of one policy differ), `hardware_aware_pinned_W`, `hardware_aware_pinned_W_no_refine` (its
 chooser's `state_rows` 0: no `refine` before a round of few rows) and `hardware_aware`:
 
-    PYTHONPATH=src python benchmarks/round_width_overhead.py --width 3 --concurrency 1 4 --repeats 3
+    PYTHONPATH=src python benchmarks/round_width_overhead.py --width 3 --concurrency 1 --repeats 3 --round-parts
+
+On an H100 (2026-12-07, `results/round_width_overhead_parts_w3_c1*_h100.json`) the hardware-aware engine's rounds of 3
+drafts at c = 1 spent 2-3 µs more host time before the launch than fixed γ = 3's and about as much after it (its
+choice pinned too), and where it also ran other widths 3-5 µs more in the launch call and 4-9 µs more on the device;
+its plain rounds at c = 128 took 0.7-1.9 % longer than no speculation's
+(`results/round_width_overhead_w0_c128_h100.json`; a second engine without speculation -0.2 to +0.9 %).
 
 Reported per engine and concurrency: the median draft + verify time of its rounds that verified W drafts with every
 row running, no admission and no drafter-context upkeep (the engine's `round_log` `step_seconds`, which include the
@@ -72,7 +78,7 @@ def build(name: str, target, drafter, concurrency: int, max_model_len: int, widt
     `_wide` (W = 0) its KV caches as long as the speculative engines' (their drafter context's reach), with
     `_all_widths` the graphs of widths 0, 1, 3 and 7 compiled too; `hardware_aware_pinned_W`, its chooser's choice
     pinned to W, with `_no_record` (its chooser records nothing) and / or `_no_refine` (`state_rows` 0); or
-    `hardware_aware`."""
+    `hardware_aware` (its chooser's calls timed: `chooser_call_us`), or under any other name that starts so, untimed."""
     fixed = name.startswith(f"fixed_{width}")
     policy = "hardware_aware" if not fixed else "fixed" if width else "none"
     if name.endswith("_wide") and policy == "none":  # (a speculative engine's caches also hold its drafter's reach)
@@ -108,6 +114,49 @@ def timed(function, seconds: list[float]):
     return call
 
 
+class RoundParts:
+    """`--round-parts`: for each round of `width` drafts of an engine's full rows with no drafter-context upkeep, the
+    host's µs from `StaticRows.step`'s start to the graph's launch, the launch call's, the device's for the graph
+    (CUDA events around the launch) and the host's from the launch's return to the step's end (the device's remaining
+    work, the synchronisation, the host's work after it)."""
+
+    PARTS = ("before_launch", "launch", "device", "after_launch")
+
+    def __init__(self, engine: DSparkEngine, width: int, concurrency: int):
+        runner, rounds = engine.runner, engine.runner.rounds
+        self.samples: list[tuple[float, ...]] = []
+        step, greedy_round = runner.step, rounds.greedy_round
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        marks: dict[str, float] = {}
+
+        def timed_round(verify: int, bare: bool = False):
+            graph = greedy_round(verify, bare)
+
+            def launch() -> None:
+                marks["launch"] = time.perf_counter()
+                begin.record()
+                graph()
+                end.record()
+                marks["launched"], marks["verify"] = time.perf_counter(), verify
+            return launch
+
+        def timed_step():
+            marks.clear()
+            entered = time.perf_counter()
+            committed = step()
+            left = time.perf_counter()
+            if marks.get("verify") == width and not runner.upkeep and len(runner.occupied) == concurrency:
+                self.samples.append((marks["launch"] - entered, marks["launched"] - marks["launch"],
+                                     1e-3 * begin.elapsed_time(end), left - marks["launched"]))
+            return committed
+
+        runner.step, rounds.greedy_round = timed_step, timed_round
+
+    def medians_us(self) -> dict[str, float]:
+        return {part: round(1e6 * statistics.median(values), 2)
+                for part, values in zip(self.PARTS, zip(*self.samples))} if self.samples else {}
+
+
 def run(engines: dict[str, DSparkEngine], prompts, concurrency: int, new_tokens: int, seed: int,
         width: int = 7) -> dict:
     """One run: `concurrency` requests per engine, stepped in turn (`serving.step_in_turn`); each engine's times (ms)
@@ -132,6 +181,8 @@ def main() -> None:
                         help="the rounds compared: of this many drafts (0: plain rounds, against no speculation)")
     parser.add_argument("--engines", nargs="+", help="the engines compared (see `build`), the first the reference; "
                                                      "default: the five of --width")
+    parser.add_argument("--round-parts", action="store_true",
+                        help="also time each round's parts (`RoundParts`; CUDA only; its timing adds host work)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--out", default=str(RESULTS / "round_width_overhead_h200.json"))
@@ -148,6 +199,8 @@ def main() -> None:
         engines = {name: build(name, target, drafter, concurrency, max_model_len, args.width) for name in names}
         compile_seconds = time.perf_counter() - started
         run(engines, prompts, concurrency, 8, seed=0, width=args.width)  # warm-up run
+        parts = {name: RoundParts(engine, args.width, concurrency)
+                 for name, engine in engines.items()} if args.round_parts else {}
         times = {name: [] for name in names}
         reference = names[0]
         for repeat in range(args.repeats):
@@ -160,6 +213,9 @@ def main() -> None:
                                                       for name in names}},
                     chooser_call_us={method: round(1e6 * statistics.fmean(seconds), 2)
                                      for method, seconds in CHOOSER_SECONDS.items() if seconds})
+        cell["cache_columns"] = {name: engine.runner.width for name, engine in engines.items()}
+        if parts:
+            cell["round_parts_us"] = {name: timer.medians_us() for name, timer in parts.items()}
         result["cells"][str(concurrency)] = cell
         print(concurrency, json.dumps(cell), flush=True)
         out.write_text(json.dumps(result, indent=2) + "\n")

@@ -115,6 +115,7 @@ SHARED_ENGINE = "drafting"  # --shared-graphs: the engine every drafting policy 
 # lately from its rounds' strides (`RoundWidthChooser(strides=True)`; the default on 2026-12-06)
 ROUND_TIMED = "hardware_aware_round_timed"
 STRIDES = "hardware_aware_strides"
+STATE_ROWS = "hardware_aware_state_rows_4"  # ... or refining rounds of up to 4 rows (`RoundWidthChooser.state_rows`)
 GUARD = SpeculationGuard()  # the hardware-aware engines' guard: one for the whole run, like a long-running server
 
 
@@ -124,7 +125,7 @@ def policies(threshold: float, gamma_max: int) -> dict[str, dict]:
         if gamma <= gamma_max:
             table[f"fixed_{gamma}"] = dict(policy="fixed", gamma=gamma)
     table["static_threshold"] = dict(policy="static_threshold", threshold=threshold)
-    table["hardware_aware"] = table[ROUND_TIMED] = table[STRIDES] = dict(policy="hardware_aware")
+    table["hardware_aware"] = table[ROUND_TIMED] = table[STRIDES] = table[STATE_ROWS] = dict(policy="hardware_aware")
     return table
 
 
@@ -140,7 +141,12 @@ def with_strides(engine: DSparkEngine) -> None:
     engine.runner.chooser.strides = True
 
 
-VARIANTS = {ROUND_TIMED: time_rounds_only, STRIDES: with_strides}
+def with_four_state_rows(engine: DSparkEngine) -> None:
+    """`STATE_ROWS`: the engine's chooser refines the width of rounds of up to 4 rows by their acceptance states."""
+    engine.runner.chooser.state_rows = 4
+
+
+VARIANTS = {ROUND_TIMED: time_rounds_only, STRIDES: with_strides, STATE_ROWS: with_four_state_rows}
 
 
 # ---------------------------------------------------------------------------------------------------- models

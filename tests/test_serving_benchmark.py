@@ -359,21 +359,26 @@ def test_engines_stepped_in_turn_meet_every_neighbour_alike():
 @pytest.mark.slow
 def test_round_width_overhead_times_every_engine_on_the_code_fixture(tmp_path, monkeypatch):
     """benchmarks/round_width_overhead.py on the CPU (the 50M fixture in float32, which this CPU runs several times
-    faster than bfloat16; 2 rows, 8 tokens): every engine's γ = 7 rounds are timed, fixed γ = 7 is the reference, and
-    the hardware-aware chooser's calls are timed."""
+    faster than bfloat16; 2 rows, 8 tokens), its plain rounds (`--width 0`): the engine without speculation (the
+    reference), one with caches as long as a speculative engine's, the hardware-aware one pinned to plain rounds
+    without `record`, and the hardware-aware one, whose chooser's calls are timed."""
     shared_path("fixtures", "code-llama-50m")
     shared_path("data", "humaneval", "HumanEval.jsonl.gz")
     overhead = pytest.importorskip("round_width_overhead")
     out = tmp_path / "overhead.json"
+    engines = ["fixed_0", "fixed_0_wide", "hardware_aware_pinned_0_no_record", "hardware_aware"]
     monkeypatch.setattr(sys, "argv", ["round_width_overhead.py", "--device", "cpu", "--dtype", "float32",
-                                      "--concurrency", "2", "--new-tokens", "8", "--repeats", "1", "--out", str(out)])
+                                      "--concurrency", "2", "--new-tokens", "8", "--repeats", "1", "--width", "0",
+                                      "--engines", *engines, "--out", str(out)])
     overhead.main()
     cell = json.loads(out.read_text())["cells"]["2"]
     times = cell["median_step_ms_runs"]
-    assert set(times) == set(overhead.ENGINES)
-    assert all(times[name][0] > 0 for name in overhead.ENGINES if name != "hardware_aware")  # (it may not reach 7)
-    assert cell["ratio_to_fixed_7_runs"]["fixed_7"] == [1.0]
+    assert list(times) == engines
+    assert all(times[name][0] > 0 for name in engines[:3])  # (hardware-aware may run no plain round)
+    assert cell["ratio_to_fixed_0_runs"]["fixed_0"] == [1.0]
     assert cell["chooser_call_us"]["choose"] > 0 and cell["chooser_call_us"]["record"] > 0
+    columns = cell["cache_columns"]  # (the wide engine's caches as long as the speculative engines')
+    assert columns["fixed_0"] < columns["fixed_0_wide"] == columns["hardware_aware"] == columns[engines[2]]
 
 
 def test_round_widths_times_every_width_of_the_engines_rows():

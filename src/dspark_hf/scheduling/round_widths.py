@@ -38,16 +38,16 @@ below (`record`'s `refined`), not through the strides themselves.
 Acceptance also runs in stretches: on code50m's text, a row that accepted all 7 drafts of a round accepted 6 of the next
 round's on average, one that accepted none 0.57 (`chooser_on_text.py`'s fixed γ = 7 rounds at c = 4). So the counts are
 also kept per acceptance state of the rows before the round (`acceptance_state`: the drafts it accepted in its last
-round, whether that was all of them, or AFTER_PLAIN), and `refine` picks each round's width from the states of the
-rows it runs, with each state's expected tokens (`state_tokens`: its own counts, `state_prior` verified drafts at the
-average row's hazards added). `choose` keeps the rest: which widths to measure, confirm or refresh, their times, and
-the width a round of average rows would take. The rows are counted per state, and `refine`'s table rebuilt, every
-`state_every` rounds (`prepare`, while the device runs a round): the engine asks every round, and a small model's
-round lasts about half a millisecond. Only rounds of at most `state_rows` rows are refined: with more, the
-states average out and the estimates per state are less sure than the average. On the CPU twin of the H100's code50m
-cells (`chooser_on_text.py`), c = 1 served 1.018 x fixed γ = 3, the best fixed width (1.000 without `refine`), c = 2
-1.012 (1.000); refining every round, c = 4 served 0.994 (0.997-1.001 without) and c = 16 0.99 x
-(docs/serving_measurements.md): hence `state_rows` = 2.
+round, whether that was all of them, or AFTER_PLAIN), and `refine` picks each round's width from the states of the rows
+it runs, with each state's expected tokens (`state_tokens`: its own counts, `state_prior` verified drafts added at the
+average row's hazards, or at the state's own hazard of the slot before where that is higher). `choose` keeps the rest:
+which widths to measure, confirm or refresh, their times, and the width a round of average rows would take. The rows are
+counted per state, and `refine`'s table rebuilt, every `state_every` rounds (`prepare`, while the device runs a round):
+the engine asks every round, and a small model's round lasts about half a millisecond. Only rounds of at most
+`state_rows` rows are refined: with more, the states average out and the estimates per state are less sure than the
+average. On the CPU twin of the H100's code50m cells (`chooser_on_text.py`), c = 1 served 1.018 x fixed γ = 3, the best
+fixed width (1.000 without `refine`), c = 2 1.012 (1.000); refining every round, c = 4 served 0.994 (0.997-1.001
+without) and c = 16 0.99 x (docs/serving_measurements.md): hence `state_rows` = 2.
 
 Round times drift: on the H200 machine every width's rounds slowed by a fifth within a few seconds, while a width
 that is not chosen runs only now and then. So only the chosen width's time is kept as such (the median of its last
@@ -158,8 +158,8 @@ class RoundWidthChooser:
             the choice.
         draws: the number of those draws.
         seed: seeds those draws.
-        state_prior: the weight, in verified drafts, of the acceptance of all rows in a state's estimate
-            (`state_tokens`).
+        state_prior: the weight, in verified drafts, of a state's prior (the acceptance of all rows, or the
+            state's own of the slot before where higher) in its estimate (`state_tokens`).
         state_rows: `refine` changes the width of rounds of at most this many rows (0: never); the engine counts the
             rows' states only in such rounds.
         state_every: rounds between updates of the per-state counts and of `refine`'s table (`prepare`): the engine
