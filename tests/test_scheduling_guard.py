@@ -784,10 +784,10 @@ def test_width_chooser_refines_its_choice_by_the_rows_states():
 
 def test_width_chooser_tries_a_wider_width_for_rows_that_accept_more_than_the_average():
     """With γ = 3 chosen the average row's drafts 4-7 are verified only by rare rounds of 7, here unlucky ones (slot 4
-    reached 4 times, never accepted). Rows that just accepted all 3 drafts accept 4 of 5 drafts: their drafts 4-7 take
-    that rate, not the average row's, so `refine` gives them 7 drafts (on an H100 at c = 1, with the average row's
-    rate as their prior, it never did, though fixed γ = 7's rounds after such a round accepted 2.87 drafts); rows that
-    accepted none keep 3. Its answers are kept until `prepare` builds its table again."""
+    reached 4 times, never accepted). Rows that just accepted all 3 drafts accept each draft with probability 0.8: their
+    drafts 4-7 take that rate, not the average row's, so `refine` gives them 7 drafts (on an H100 at c = 1, with the
+    average row's rate as their prior, it never did, though fixed γ = 7's rounds after such a round accepted 2.87
+    drafts); rows that accepted none keep 3. Its answers are kept until `prepare` builds its table again."""
     seconds = {0: 0.34, 1: 0.49, 3: 0.5, 7: 0.55}
     chooser = RoundWidthChooser(tuple(seconds), decay=1.0, state_every=4)
     rng = random.Random(0)
