@@ -203,6 +203,11 @@
 #     returns at most eight files, so write fewer or split):
 #     1. `PYTHONPATH=src python -m pytest -q -p no:hypothesispytest -n 0 tests/test_cuda_graphs.py` and, in a second
 #        call, tests/test_tensor_ops.py (together they took more than 420 s on a fresh machine);
+#     1b. why the hardware-aware engine's rounds cost 8-19 us more than the fixed engines' of the same width (launch and
+#        device time too, not only host work; not where its choice is pinned): round_width_overhead.py --width 3
+#        --concurrency 1 --round-parts --engines fixed_3 hardware_aware_pinned_3_no_refine
+#        hardware_aware_pinned_3_choosing_no_refine hardware_aware_untimed_no_refine (the third still runs `choose`,
+#        its answer dropped: is its host work what slows the launch and the device?), and with --width 7 at c = 4;
 #     2. c = 64 128 and c = 4 1 again only after a change that touches them (the 48th session's change acts on rounds
 #        of at most 2 rows); the command:
 #        SERVING_TIMEOUT=420 OUT=$OUT bash benchmarks/gpu_serving_run.sh --model code50m --static

@@ -32,7 +32,7 @@ chooser's `state_rows` 0: no `refine` before a round of few rows) and `hardware_
 
 On an H100 (2026-12-07, `results/round_width_overhead_parts_w3_c1*_h100.json`) the hardware-aware engine's rounds of 3
 drafts at c = 1 spent 2-3 µs more host time before the launch than fixed γ = 3's and about as much after it (its
-choice pinned too), and where it also ran other widths 3-5 µs more in the launch call and 4-9 µs more on the device;
+choice pinned too), and choosing for itself 3-5 µs more in the launch call and 4-9 µs more on the device;
 its plain rounds at c = 128 took 0.7-1.9 % longer than no speculation's
 (`results/round_width_overhead_w0_c128_h100.json`; a second engine without speculation -0.2 to +0.9 %).
 
@@ -77,7 +77,8 @@ def build(name: str, target, drafter, concurrency: int, max_model_len: int, widt
     """The engine `name`: `fixed_W` (W = 0: without speculation), with `_replica` a second one just like it, with
     `_wide` (W = 0) its KV caches as long as the speculative engines' (their drafter context's reach), with
     `_all_widths` the graphs of widths 0, 1, 3 and 7 compiled too; `hardware_aware_pinned_W`, its chooser's choice
-    pinned to W, with `_no_record` (its chooser records nothing) and / or `_no_refine` (`state_rows` 0); or
+    pinned to W, with `_choosing` (its chooser's `choose` still runs), `_no_record` (its chooser records nothing)
+    and / or `_no_refine` (`state_rows` 0); or
     `hardware_aware` (its chooser's calls timed: `chooser_call_us`), or under any other name that starts so, untimed."""
     fixed = name.startswith(f"fixed_{width}")
     policy = "hardware_aware" if not fixed else "fixed" if width else "none"
@@ -91,7 +92,9 @@ def build(name: str, target, drafter, concurrency: int, max_model_len: int, widt
     engine.warm_up(widths=(0, 1, 3, 7) if name.endswith("_all_widths") else None, progress=False)
     chooser = engine.runner.chooser
     if name.startswith(f"hardware_aware_pinned_{width}"):
-        chooser.choose = lambda rows, requests=None: width
+        choose = chooser.choose  # (with `_choosing` still called, its host work done and its answer dropped)
+        chooser.choose = ((lambda rows, requests=None: (choose(rows, requests), width)[1]) if "_choosing" in name
+                          else lambda rows, requests=None: width)
     if "_no_record" in name:
         chooser.record = lambda *args, **kwargs: None
     if "_no_refine" in name:
