@@ -78,8 +78,8 @@ def build(name: str, target, drafter, concurrency: int, max_model_len: int, widt
     `_wide` (W = 0) its KV caches as long as the speculative engines' (their drafter context's reach), with
     `_all_widths` the graphs of widths 0, 1, 3 and 7 compiled too; `hardware_aware_pinned_W`, its chooser's choice
     pinned to W, with `_choosing` (its chooser's `choose` still runs), `_no_record` (its chooser records nothing)
-    and / or `_no_refine` (`state_rows` 0); or
-    `hardware_aware` (its chooser's calls timed: `chooser_call_us`), or under any other name that starts so, untimed."""
+    and / or `_no_refine` (`state_rows` 0); or `hardware_aware` (its chooser's calls timed: `chooser_call_us`), or
+    under any other name that starts so, untimed (with `_no_refine` as above)."""
     fixed = name.startswith(f"fixed_{width}")
     policy = "hardware_aware" if not fixed else "fixed" if width else "none"
     if name.endswith("_wide") and policy == "none":  # (a speculative engine's caches also hold its drafter's reach)
