@@ -60,6 +60,7 @@ from serving import load_models, step_in_turn  # noqa: E402
 from dspark_hf.generation.static_rows import PENDING_ROUNDS  # noqa: E402
 from dspark_hf.serving import DSparkEngine  # noqa: E402
 
+
 def engine_names(width: int = 7) -> tuple[str, ...]:
     """The engines compared by default for rounds of `width` drafts (`--width`; 0: plain rounds, where `fixed_0` is
     the engine without speculation); `--engines` names others (`build`)."""
@@ -68,9 +69,6 @@ def engine_names(width: int = 7) -> tuple[str, ...]:
                 "hardware_aware")
     return (f"fixed_{width}", f"fixed_{width}_replica", f"hardware_aware_pinned_{width}",
             f"hardware_aware_pinned_{width}_no_refine", "hardware_aware")
-
-
-ENGINES = engine_names()
 
 
 def build(name: str, target, drafter, concurrency: int, max_model_len: int, width: int = 7) -> DSparkEngine:
@@ -170,8 +168,8 @@ def run(engines: dict[str, DSparkEngine], prompts, concurrency: int, new_tokens:
             engine.add_request(prompts[i % len(prompts)], max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     step_in_turn(engines, seed=seed)
     return {name: [1e3 * entry["step_seconds"] for entry in engine.round_log
-                   if entry["speculative"] == (width > 0) and max(entry["verify"]) == width
-                   and entry["batch"] == concurrency and not entry["admitted"] and not entry["upkeep"]]
+                   if max(entry["verify"]) == width and entry["batch"] == concurrency and not entry["admitted"]
+                   and not entry["upkeep"]]
             for name, engine in engines.items()}
 
 
