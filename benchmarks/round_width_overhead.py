@@ -35,6 +35,19 @@ drafts at c = 1 spent 2-3 µs more host time before the launch than fixed γ = 3
 choice pinned too), and choosing for itself 3-5 µs more in the launch call and 4-9 µs more on the device;
 its plain rounds at c = 128 took 0.7-1.9 % longer than no speculation's
 (`results/round_width_overhead_w0_c128_h100.json`; a second engine without speculation -0.2 to +0.9 %).
+A second H100 call the same day: at c = 128 (`results/round_width_overhead_parts_w0_c128_wide_h100.json`) caches as
+long as a speculative engine's cost no speculation nothing (`fixed_0_wide`: 460.4 µs on the device against 461.7),
+while the hardware-aware engine pinned to plain rounds, with or without `record`, spent 468.0-470.3 µs there, with the
+same launch call (33 µs) and 0.7 µs more host time before it: its plain rounds (bare, in a long run) replay the graph
+of plain decoding, yet take 1.5-2 % longer on the device. At c = 1 (`..._parts_w3_c1_choosing_h100.json`) `choose`'s
+host work costs nothing (`hardware_aware_pinned_3_choosing_no_refine`: 489.2 µs on the device against 488.0 pinned and
+fixed γ = 3's 488.5), while choosing for itself (its measuring and refresh rounds of other widths among its rounds of 3)
+its rounds of 3 took 8 µs more on the device and 2 µs more in the launch. `--queue-cycles` (the device busy while the
+graph is launched, so that `device` leaves the launch out) and `--profile-rounds` (each engine's kernels, from
+`torch.profiler`) are the next steps there:
+
+    PYTHONPATH=src python benchmarks/round_width_overhead.py --width 0 --concurrency 128 --repeats 1 \
+        --profile-rounds 40 --engines fixed_0_wide hardware_aware_pinned_0
 
 Reported per engine and concurrency: the median draft + verify time of its rounds that verified W drafts with every
 row running, no admission and no drafter-context upkeep (the engine's `round_log` `step_seconds`, which include the
@@ -119,11 +132,14 @@ class RoundParts:
     """`--round-parts`: for each round of `width` drafts of an engine's full rows with no drafter-context upkeep, the
     host's µs from `StaticRows.step`'s start to the graph's launch, the launch call's, the device's for the graph
     (CUDA events around the launch) and the host's from the launch's return to the step's end (the device's remaining
-    work, the synchronisation, the host's work after it)."""
+    work, the synchronisation, the host's work after it). The device's time then also holds the part of the launch
+    call before its first kernel reaches the idle device; with `queue_cycles` the device first spins that many
+    cycles (`torch.cuda._sleep`), so that the whole graph is queued before its start is timed and `device` is its
+    execution alone (`--queue-cycles`; the spin lengthens every round alike)."""
 
     PARTS = ("before_launch", "launch", "device", "after_launch")
 
-    def __init__(self, engine: DSparkEngine, width: int, concurrency: int):
+    def __init__(self, engine: DSparkEngine, width: int, concurrency: int, queue_cycles: int = 0):
         runner, rounds = engine.runner, engine.runner.rounds
         self.samples: list[tuple[float, ...]] = []
         step, greedy_round = runner.step, rounds.greedy_round
@@ -135,6 +151,8 @@ class RoundParts:
 
             def launch() -> None:
                 marks["launch"] = time.perf_counter()
+                if queue_cycles:
+                    torch.cuda._sleep(queue_cycles)
                 begin.record()
                 graph()
                 end.record()
@@ -156,6 +174,35 @@ class RoundParts:
     def medians_us(self) -> dict[str, float]:
         return {part: round(1e6 * statistics.median(values), 2)
                 for part, values in zip(self.PARTS, zip(*self.samples))} if self.samples else {}
+
+
+def kernel_times(engine: DSparkEngine, prompts, concurrency: int, new_tokens: int, rounds: int, top: int = 12
+                 ) -> dict:
+    """`--profile-rounds`: `engine` alone serves `concurrency` requests of `new_tokens` (admitted in its first step,
+    unprofiled), up to `rounds` rounds of which are profiled (fewer if they finish sooner: choose
+    `new_tokens` so that they do not); its device kernels' µs per profiled round in all and, for the `top` costliest,
+    by name (calls and µs per round), from `torch.profiler` (CUPTI lists the kernels of CUDA graph replays; on the
+    CPU: the operators' own CPU time)."""
+    for i in range(concurrency):
+        engine.add_request(prompts[i % len(prompts)], max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    engine.step()
+    cuda = engine.target.device.type == "cuda"
+    activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
+    profiled = 0
+    with torch.profiler.profile(activities=[activity]) as profiler:
+        while profiled < rounds and engine.step():
+            profiled += 1
+    while engine.has_unfinished():
+        engine.step()
+    if not profiled:
+        raise SystemExit("--profile-rounds: the requests finished in their first round; give more --new-tokens")
+    kernels = [(event.key, event.count, event.self_device_time_total if cuda else event.self_cpu_time_total)
+               for event in profiler.key_averages()
+               if event.device_type == (torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU)]
+    kernels.sort(key=lambda kernel: -kernel[2])
+    return dict(rounds=profiled, device_us_per_round=round(sum(kernel[2] for kernel in kernels) / profiled, 2),
+                kernels={name[:90]: [round(count / profiled, 2), round(total / profiled, 2)]
+                         for name, count, total in kernels[:top]})
 
 
 def run(engines: dict[str, DSparkEngine], prompts, concurrency: int, new_tokens: int, seed: int,
@@ -184,6 +231,11 @@ def main() -> None:
                                                      "default: the five of --width")
     parser.add_argument("--round-parts", action="store_true",
                         help="also time each round's parts (`RoundParts`; CUDA only; its timing adds host work)")
+    parser.add_argument("--queue-cycles", type=int, default=0,
+                        help="with --round-parts: the device spins this many cycles before each timed graph, so "
+                             "that its time leaves out the launch's (`RoundParts`)")
+    parser.add_argument("--profile-rounds", type=int, default=0,
+                        help="then profile this many rounds of each engine alone (`kernel_times`; CUDA only)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--out", default=str(RESULTS / "round_width_overhead_h200.json"))
@@ -200,7 +252,7 @@ def main() -> None:
         engines = {name: build(name, target, drafter, concurrency, max_model_len, args.width) for name in names}
         compile_seconds = time.perf_counter() - started
         run(engines, prompts, concurrency, 8, seed=0, width=args.width)  # warm-up run
-        parts = {name: RoundParts(engine, args.width, concurrency)
+        parts = {name: RoundParts(engine, args.width, concurrency, args.queue_cycles)
                  for name, engine in engines.items()} if args.round_parts else {}
         times = {name: [] for name in names}
         reference = names[0]
@@ -217,6 +269,10 @@ def main() -> None:
         cell["cache_columns"] = {name: engine.runner.width for name, engine in engines.items()}
         if parts:
             cell["round_parts_us"] = {name: timer.medians_us() for name, timer in parts.items()}
+        if args.profile_rounds:
+            cell["kernel_times"] = {name: kernel_times(engine, prompts, concurrency, args.new_tokens,
+                                                       args.profile_rounds)
+                                    for name, engine in engines.items()}
         result["cells"][str(concurrency)] = cell
         print(concurrency, json.dumps(cell), flush=True)
         out.write_text(json.dumps(result, indent=2) + "\n")

@@ -369,7 +369,7 @@ def test_round_width_overhead_times_every_engine_on_the_code_fixture(tmp_path, m
     engines = ["fixed_0", "fixed_0_wide", "hardware_aware_pinned_0_no_record", "hardware_aware"]
     monkeypatch.setattr(sys, "argv", ["round_width_overhead.py", "--device", "cpu", "--dtype", "float32",
                                       "--concurrency", "2", "--new-tokens", "8", "--repeats", "1", "--width", "0",
-                                      "--engines", *engines, "--out", str(out)])
+                                      "--engines", *engines, "--profile-rounds", "2", "--out", str(out)])
     overhead.main()
     cell = json.loads(out.read_text())["cells"]["2"]
     times = cell["median_step_ms_runs"]
@@ -379,6 +379,9 @@ def test_round_width_overhead_times_every_engine_on_the_code_fixture(tmp_path, m
     assert cell["chooser_call_us"]["choose"] > 0 and cell["chooser_call_us"]["record"] > 0
     columns = cell["cache_columns"]  # (the wide engine's caches as long as the speculative engines')
     assert columns["fixed_0"] < columns["fixed_0_wide"] == columns["hardware_aware"] == columns[engines[2]]
+    profiled = cell["kernel_times"]  # (on the CPU the operators' own time)
+    assert list(profiled) == engines and all(entry["device_us_per_round"] > 0 for entry in profiled.values())
+    assert all(calls > 0 and us > 0 for entry in profiled.values() for calls, us in entry["kernels"].values())
 
 
 def test_round_widths_times_every_width_of_the_engines_rows():
