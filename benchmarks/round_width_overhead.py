@@ -42,12 +42,17 @@ same launch call (33 µs) and 0.7 µs more host time before it: its plain rounds
 of plain decoding, yet take 1.5-2 % longer on the device. At c = 1 (`..._parts_w3_c1_choosing_h100.json`) `choose`'s
 host work costs nothing (`hardware_aware_pinned_3_choosing_no_refine`: 489.2 µs on the device against 488.0 pinned and
 fixed γ = 3's 488.5), while choosing for itself (its measuring and refresh rounds of other widths among its rounds of 3)
-its rounds of 3 took 8 µs more on the device and 2 µs more in the launch. `--queue-cycles` (the device busy while the
-graph is launched, so that `device` leaves the launch out) and `--profile-rounds` (each engine's kernels, from
-`torch.profiler`) are the next steps there:
+its rounds of 3 took 8 µs more on the device and 2 µs more in the launch. `--profile-rounds` times each engine's
+kernels alone (`torch.profiler`); at c = 128 (a third call, `results/round_width_overhead_profile_w0_c128_h100.json`)
+the two engines' plain rounds ran the same kernels, as often, for 378.4 and 375.1 µs a round (the hardware-aware one's
+attention 4 µs faster), and in that call the hardware-aware engine's rounds were 0.8 % faster, not slower:
 
     PYTHONPATH=src python benchmarks/round_width_overhead.py --width 0 --concurrency 128 --repeats 1 \
         --profile-rounds 40 --engines fixed_0_wide hardware_aware_pinned_0
+
+So the kernels are not what differs; the rest of a round's device time (about 85 µs at c = 128 between and before
+the kernels) is. `--queue-cycles` keeps the device busy while the graph is launched, so that `device` leaves the
+launch out (not run yet).
 
 Reported per engine and concurrency: the median draft + verify time of its rounds that verified W drafts with every
 row running, no admission and no drafter-context upkeep (the engine's `round_log` `step_seconds`, which include the
