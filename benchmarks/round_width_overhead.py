@@ -50,8 +50,8 @@ attention 4 µs faster), and in that call the hardware-aware engine's rounds wer
     PYTHONPATH=src python benchmarks/round_width_overhead.py --width 0 --concurrency 128 --repeats 1 \
         --profile-rounds 40 --engines fixed_0_wide hardware_aware_pinned_0
 
-So the kernels are not what differs; the rest of a round's device time (about 85 µs at c = 128 between and before
-the kernels) is. `--queue-cycles` keeps the device busy while the graph is launched, so that `device` leaves the
+So the kernels are not what differs, but the rest of a round's device time: at c = 128 the second call's 460-470 µs
+less these kernel sums leave 85-90 µs of launch latency and gaps between kernels. `--queue-cycles` keeps the device busy while the graph is launched, so that `device` leaves the
 launch out (not run yet).
 
 Reported per engine and concurrency: the median draft + verify time of its rounds that verified W drafts with every
