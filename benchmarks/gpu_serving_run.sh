@@ -203,11 +203,14 @@
 #     returns at most eight files, so write fewer or split):
 #     1. `PYTHONPATH=src python -m pytest -q -p no:hypothesispytest -n 0 tests/test_cuda_graphs.py` and, in a second
 #        call, tests/test_tensor_ops.py (together they took more than 420 s on a fresh machine);
-#     1b. why the hardware-aware engine's rounds cost 8-19 us more than the fixed engines' of the same width (launch and
-#        device time too, not only host work; not where its choice is pinned): round_width_overhead.py --width 3
-#        --concurrency 1 --round-parts --engines fixed_3 hardware_aware_pinned_3_no_refine
-#        hardware_aware_pinned_3_choosing_no_refine hardware_aware_untimed_no_refine (the third still runs `choose`,
-#        its answer dropped: is its host work what slows the launch and the device?), and with --width 7 at c = 4;
+#     1b. why the hardware-aware engine's rounds cost 8-19 us more than the fixed engines' of the same width: the
+#        49th session (round_width_overhead_*_h100.json of 2026-12-07) found the kernels the same (at c = 128, plain:
+#        --profile-rounds), `choose`'s host work free and longer caches free; the difference is in the device time
+#        outside the kernels, and it varied between calls. Next: round_width_overhead.py --width 3 --concurrency 1
+#        --round-parts --queue-cycles 200000 --engines fixed_3 hardware_aware_pinned_3_choosing hardware_aware_untimed
+#        (the device's time without the launch's; the pinned engine with `choose` called, so that `refine` runs and
+#        may give 7 where its rows' states ask for it),
+#        then the same with --profile-rounds 40 and without --queue-cycles;
 #     2. c = 64 128 and c = 4 1 again only after a change that touches them (the 48th session's change acts on rounds
 #        of at most 2 rows); the command:
 #        SERVING_TIMEOUT=420 OUT=$OUT bash benchmarks/gpu_serving_run.sh --model code50m --static
