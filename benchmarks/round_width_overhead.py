@@ -51,8 +51,8 @@ attention 4 µs faster), and in that call the hardware-aware engine's rounds wer
         --profile-rounds 40 --engines fixed_0_wide hardware_aware_pinned_0
 
 So the kernels are not what differs, but the rest of a round's device time: at c = 128 the second call's 460-470 µs
-less these kernel sums leave 85-90 µs of launch latency and gaps between kernels. `--queue-cycles` keeps the device busy while the graph is launched, so that `device` leaves the
-launch out (not run yet).
+less these kernel sums leave 85-90 µs of launch latency and gaps between kernels. `--queue-cycles` keeps the device
+busy while the graph is launched, so that `device` leaves the launch out (not run yet).
 
 Reported per engine and concurrency: the median draft + verify time of its rounds that verified W drafts with every
 row running, no admission and no drafter-context upkeep (the engine's `round_log` `step_seconds`, which include the
@@ -240,7 +240,8 @@ def main() -> None:
                         help="with --round-parts: the device spins this many cycles before each timed graph, so "
                              "that its time leaves out the launch's (`RoundParts`)")
     parser.add_argument("--profile-rounds", type=int, default=0,
-                        help="then profile this many rounds of each engine alone (`kernel_times`; CUDA only)")
+                        help="then profile this many rounds of each engine alone (`kernel_times`; on the CPU: "
+                             "its operators' CPU time)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--out", default=str(RESULTS / "round_width_overhead_h200.json"))
