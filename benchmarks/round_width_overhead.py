@@ -184,10 +184,10 @@ class RoundParts:
 def kernel_times(engine: DSparkEngine, prompts, concurrency: int, new_tokens: int, rounds: int, top: int = 12
                  ) -> dict:
     """`--profile-rounds`: `engine` alone serves `concurrency` requests of `new_tokens` (admitted in its first step,
-    unprofiled), up to `rounds` rounds of which are profiled (fewer if they finish sooner: choose
-    `new_tokens` so that they do not); its device kernels' µs per profiled round in all and, for the `top` costliest,
-    by name (calls and µs per round), from `torch.profiler` (CUPTI lists the kernels of CUDA graph replays; on the
-    CPU: the operators' own CPU time)."""
+    unprofiled), up to `rounds` rounds of which are profiled (fewer if they finish sooner: choose `new_tokens` so that
+    they do not); its device kernels' µs and calls per profiled round in all and, for the `top` costliest, by name
+    (calls and µs per round), from `torch.profiler` (CUPTI lists the kernels of CUDA graph replays; on the CPU: the
+    operators' own CPU time)."""
     for i in range(concurrency):
         engine.add_request(prompts[i % len(prompts)], max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     engine.step()
@@ -206,6 +206,7 @@ def kernel_times(engine: DSparkEngine, prompts, concurrency: int, new_tokens: in
                if event.device_type == (torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU)]
     kernels.sort(key=lambda kernel: -kernel[2])
     return dict(rounds=profiled, device_us_per_round=round(sum(kernel[2] for kernel in kernels) / profiled, 2),
+                kernels_per_round=round(sum(kernel[1] for kernel in kernels) / profiled, 2),
                 kernels={name[:90]: [round(count / profiled, 2), round(total / profiled, 2)]
                          for name, count, total in kernels[:top]})
 

@@ -380,7 +380,8 @@ def test_round_width_overhead_times_every_engine_on_the_code_fixture(tmp_path, m
     columns = cell["cache_columns"]  # (the wide engine's caches as long as the speculative engines')
     assert columns["fixed_0"] < columns["fixed_0_wide"] == columns["hardware_aware"] == columns[engines[2]]
     profiled = cell["kernel_times"]  # (on the CPU the operators' own time)
-    assert list(profiled) == engines and all(entry["device_us_per_round"] > 0 for entry in profiled.values())
+    assert list(profiled) == engines
+    assert all(entry["device_us_per_round"] > 0 and entry["kernels_per_round"] > 0 for entry in profiled.values())
     assert all(calls > 0 and us > 0 for entry in profiled.values() for calls, us in entry["kernels"].values())
 
 
