@@ -39,7 +39,7 @@ A second H100 call the same day: at c = 128 (`results/round_width_overhead_parts
 long as a speculative engine's cost no speculation nothing (`fixed_0_wide`: 460.4 µs on the device against 461.7),
 while the hardware-aware engine pinned to plain rounds, with or without `record`, spent 468.0-470.3 µs there, with the
 same launch call (33 µs) and 0.7 µs more host time before it: its plain rounds (bare, in a long run) replay the graph
-of plain decoding, yet take 1.5-2 % longer on the device. At c = 1 (`..._parts_w3_c1_choosing_h100.json`) `choose`'s
+of plain decoding, yet take 1.4-1.9 % longer on the device. At c = 1 (`..._parts_w3_c1_choosing_h100.json`) `choose`'s
 host work costs nothing (`hardware_aware_pinned_3_choosing_no_refine`: 489.2 µs on the device against 488.0 pinned and
 fixed γ = 3's 488.5), while choosing for itself (its measuring and refresh rounds of other widths among its rounds of 3)
 its rounds of 3 took 8 µs more on the device and 2 µs more in the launch. `--profile-rounds` times each engine's
