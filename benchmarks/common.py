@@ -33,6 +33,7 @@ def environment() -> dict:
         "torch_threads": torch.get_num_threads(),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "cuda_graphs": os.environ.get("DSPARK_CUDA_GRAPHS", "direct"),  # dspark_hf.generation.cuda_graphs
+        "fused_markov": os.environ.get("DSPARK_FUSED_MARKOV", "1"),  # dspark_hf.generation.fused_markov
     }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)

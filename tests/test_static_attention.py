@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import types
 
-from triton_interpreter import child_only, interp, run_in_child_process  # first: switches the interpreter on
+# first: switches the interpreter on
+from triton_interpreter import CountingKernel, child_only, interp, run_in_child_process
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -55,7 +56,7 @@ def test_same_output_as_sdpa(shape, mask_kind, module_causal, slices, monkeypatc
     monkeypatch.setattr(static_attention, "_sm_count", lambda device: 1 if slices == "one" else 64)
     module, query, key, value, mask = attention_case(*shape, mask_kind, module_causal)
     launches = []
-    monkeypatch.setattr(static_attention, "_attend_slice", _Counting(static_attention._attend_slice, launches))
+    monkeypatch.setattr(static_attention, "_attend_slice", CountingKernel(static_attention._attend_slice, launches))
     ours, _ = static_cache_attention(module, query, key, value, mask, scaling=0.3)
     reference, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
     assert ours.shape == reference.shape == (shape[0], shape[3], shape[1], shape[5])
@@ -114,21 +115,10 @@ def test_key_bounds_keep_the_kernel_to_each_rows_keys(slices, monkeypatch):
     assert not torch.allclose(unbounded, reference)  # (the bounds changed what was attended)
 
 
-class _Counting:
-    """Stands in for a Triton kernel: records each launch's grid, then launches."""
-
-    def __init__(self, kernel, launches):
-        self.kernel, self.launches = kernel, launches
-
-    def __getitem__(self, grid):
-        self.launches.append(grid)
-        return self.kernel[grid]
-
-
 @interp
 def test_what_the_kernel_does_not_cover_runs_sdpa(monkeypatch):
     launches = []
-    monkeypatch.setattr(static_attention, "_attend_slice", _Counting(static_attention._attend_slice, launches))
+    monkeypatch.setattr(static_attention, "_attend_slice", CountingKernel(static_attention._attend_slice, launches))
     module, query, key, value, mask = attention_case(1, 4, 2, 40, 60, 16, "bool")  # 80 rows per program: a prefill
     ours, _ = static_cache_attention(module, query, key, value, mask)
     torch.testing.assert_close(ours, sdpa_attention_forward(module, query, key, value, mask)[0])
@@ -168,7 +158,7 @@ def test_static_generate_with_the_kernel_gives_the_same_tokens(monkeypatch):
     target = make_bigram_like(tiny_target("qwen3", vocab_size=48, eos_token_id=2, head_dim=16))
     drafter = install_bigram_oracle(tiny_drafter(target, block_size=5, markov_rank=48, head_dim=16), target)
     launches = []
-    monkeypatch.setattr(static_attention, "_attend_slice", _Counting(static_attention._attend_slice, launches))
+    monkeypatch.setattr(static_attention, "_attend_slice", CountingKernel(static_attention._attend_slice, launches))
     ids = torch.tensor([[5, 9, 11, 4, 30, 8]])
     for model in (None, drafter):
         expected = static_generate(target, model, ids, 20, attention="model")
@@ -187,7 +177,7 @@ def test_static_generate_batch_with_the_kernel_and_fused_projections_gives_the_s
     target = tiny_target("qwen3", vocab_size=48, eos_token_id=2, head_dim=16)
     drafter = tiny_drafter(target, block_size=5, head_dim=16)
     launches = []
-    monkeypatch.setattr(static_attention, "_attend_slice", _Counting(static_attention._attend_slice, launches))
+    monkeypatch.setattr(static_attention, "_attend_slice", CountingKernel(static_attention._attend_slice, launches))
     prompts = [[5, 9, 11, 4, 30, 8, 7, 12], [6, 13], [20, 21, 22, 23, 24]]
     width = max(map(len, prompts))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])

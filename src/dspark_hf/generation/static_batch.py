@@ -56,6 +56,7 @@ from ..verify.reference import processed_scores
 from .batched import BatchedDSparkStats, append_rows, padding_token
 from .candidate_generator import DSparkStats
 from .cuda_graphs import CaptureKey, Context, compiled_round, direct_graphs
+from .fused_markov import draft_tokens
 from .speculative_rows import check_batchable_target
 from .static_attention import STATIC_ATTENTION
 from .static_loop import commit, exponential_noise, fast_kernels, fast_path_call, kernel_choice, race
@@ -506,8 +507,7 @@ class StaticBatchRounds:
             self.anchor, self.features[:, : self.width], self.drafter_cache,
             position_ids=(self.column - self.pad)[:, None] + torch.arange(block, device=device),
             context_position_ids=context_positions.clamp(min=0), num_tokens=verify, attention_mask=mask)
-        proposal = drafter.draft_tokens(self.anchor, hidden, base_logits, select)
-        drafts, q_logits = proposal.tokens, proposal.logits
+        drafts, q_logits = draft_tokens(drafter, self.anchor, hidden, base_logits, select)
         self.drafts[:, : drafts.shape[1]].copy_(drafts)
         logits, features = self._target_forward(torch.cat([self.anchor[:, None], drafts], dim=1), self.column)
         return drafts, q_logits, logits, features

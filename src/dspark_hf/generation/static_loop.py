@@ -55,6 +55,7 @@ from ..verify.reference import processed_scores
 from . import fused_projections
 from .candidate_generator import DSparkStats
 from .cuda_graphs import CaptureKey, GraphedFunction, compiled_round
+from .fused_markov import draft_tokens
 from .policy import resolve_max_drafts, resolve_policy
 from .stateful import check_own_loop_supported
 from .static_attention import using_static_attention
@@ -208,12 +209,12 @@ class StaticRound:
         return torch.cat([accepted[None], tokens]), tokens.gather(0, accepted[None]), position + accepted + 1
 
     def _draft_and_score(self, anchor, features, context_start, position, select):
-        """Drafts after `anchor` and runs the target over [anchor, drafts] -> (drafts [1, γ], q logits, target
-        logits [1, γ + 1, V], the target's features of those γ + 1 positions)."""
+        """Drafts after `anchor` and runs the target over [anchor, drafts] -> (drafts [1, γ], q logits (None for
+        greedy drafts), target logits [1, γ + 1, V], the target's features of those γ + 1 positions)."""
         hidden, base_logits = self.draft_backbone(anchor, features, context_start, position)
-        proposal = self.drafter.draft_tokens(anchor, hidden, base_logits, select)
-        logits, step_features = self.verify_forward(anchor, proposal.tokens, position)
-        return proposal.tokens, proposal.logits, logits, step_features
+        drafts, q_logits = draft_tokens(self.drafter, anchor, hidden, base_logits, select)
+        logits, step_features = self.verify_forward(anchor, drafts, position)
+        return drafts, q_logits, logits, step_features
 
     def greedy_round(self, anchor, features, context_start, position):
         """-> (host vector [accepted, γ + 1 target tokens], next anchor [1], next features, next position)."""

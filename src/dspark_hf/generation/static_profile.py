@@ -22,6 +22,7 @@ from ..devices import synchronize
 from ..models import DSparkDraftModel
 from ..models.modeling import greedy_selector
 from .cuda_graphs import compiled_round
+from .fused_markov import draft_tokens
 from .static_loop import StaticRound, fast_path, start_dspark_rounds
 
 # `RoundProfiler`'s parts that the fast path has (it has no scheduler: its γ is fixed), in round order
@@ -111,9 +112,9 @@ class _SplitRound:
 
     def _markov_sampling(self) -> None:
         b = self.buffers
-        proposal = self.rounds.drafter.draft_tokens(self.rounds.anchor, b["hidden"], b["base_logits"],
-                                                    greedy_selector)
-        self._keep(drafts=proposal.tokens)
+        drafts, _ = draft_tokens(self.rounds.drafter, self.rounds.anchor, b["hidden"], b["base_logits"],
+                                 greedy_selector)
+        self._keep(drafts=drafts)
 
     def _verify_forward(self) -> None:
         logits, features = self.rounds.verify_forward(self.rounds.anchor, self.buffers["drafts"], self.rounds.position)
