@@ -75,7 +75,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, environment  # noqa: E402
 from serving import load_models, step_in_turn  # noqa: E402
 
-from dspark_hf.generation.static_rows import PENDING_ROUNDS  # noqa: E402
+from dspark_hf.generation.static_rows import cache_capacity  # noqa: E402
 from dspark_hf.serving import DSparkEngine  # noqa: E402
 
 
@@ -100,7 +100,7 @@ def build(name: str, target, drafter, concurrency: int, max_model_len: int, widt
     policy = "hardware_aware" if not fixed else "fixed" if width else "none"
     if name.endswith("_wide") and policy == "none":  # (a speculative engine's caches also hold its drafter's reach)
         span = drafter.config.num_draft_slots + 1
-        max_model_len += 2 * span + PENDING_ROUNDS * span - 2
+        max_model_len += cache_capacity(0, span, True, 0) - cache_capacity(0, 1, False, 0)
     engine = DSparkEngine(target, drafter if policy != "none" else None, static=True, policy=policy,
                           gamma=width if policy == "fixed" else None, max_batch_size=concurrency,
                           max_model_len=max_model_len, static_graph_batch_sizes={concurrency},

@@ -40,6 +40,7 @@ from .static_loop import exponential_noise, fast_kernels, kernel_choice, kernels
 
 
 PENDING_ROUNDS = 4  # the drafter's pending context holds 4 (γ + 1) features: plain rounds flush it 4x less often
+
 # After this many plain rounds in a row, plain rounds are bare (no target features kept for the drafter: the graph of
 # plain decoding without one) and requests join without their prompt's drafter context or features: a round and a
 # join then cost what they cost without a drafter. Before the next drafting round, `StaticBatchRounds.catch_up`
@@ -48,6 +49,14 @@ PENDING_ROUNDS = 4  # the drafter's pending context holds 4 (γ + 1) features: p
 # (drafter_context_reach_cpu.json). The chooser's probing rounds (`PROBES`: a measure, confirm or refresh of a width
 # not chosen) neither end nor lengthen such a run (each catches up first).
 PLAIN_ROUNDS_BEFORE_PROMPTS_SKIP_DRAFTER = 32
+
+
+def cache_capacity(max_model_len: int, span: int, speculative: bool, admission_chunk: int) -> int:
+    """The KV columns of each row for requests of `max_model_len` tokens whose rounds run at most `span` tokens per
+    row: a short prompt's left padding, a round's overshoot past max_tokens, a speculative engine's drafter reach past
+    the anchor (its pending context), and a prompt's padding to whole admission chunks."""
+    reach = span + (PENDING_ROUNDS * span if speculative else 0)
+    return max_model_len + span + reach + admission_chunk
 
 
 def graph_kind(kind: str, bare: bool) -> str:
@@ -110,9 +119,8 @@ class StaticRows:
                                      else eager_admission_from)
         self.set_policy(verify, chooser)
         window = PENDING_ROUNDS * span if drafter is not None else 0
-        # a short prompt's left padding, a round's overshoot past max_tokens, and a flush's reach past the anchor
         self.reach = span + window
-        capacity = max_model_len + span + self.reach + admission_chunk  # (+ a prompt's padding to whole chunks)
+        capacity = cache_capacity(max_model_len, span, drafter is not None, admission_chunk)
 
         self.kernel_choice = kernel_choice(target, attention, fuse_projections)  # (static attention, fused projections)
 
