@@ -65,8 +65,11 @@ if triton is not None:
         acc = tl.zeros([BLOCK_B, BLOCK], dtype=tl.float32)
         for start in range(0, RANK, BLOCK_R):
             ranks = start + tl.arange(0, BLOCK_R)
-            code = tl.load(w1_ptr + prev[:, None] * s_w1 + ranks[None, :], mask=row_ok[:, None], other=0.0)
-            weight = tl.load(w2_ptr + cols[None, :] * s_w2 + ranks[:, None], mask=col_ok[None, :], other=0.0)
+            rank_ok = ranks < RANK
+            code = tl.load(w1_ptr + prev[:, None] * s_w1 + ranks[None, :], mask=row_ok[:, None] & rank_ok[None, :],
+                           other=0.0)
+            weight = tl.load(w2_ptr + cols[None, :] * s_w2 + ranks[:, None], mask=col_ok[None, :] & rank_ok[:, None],
+                             other=0.0)
             if IEEE:  # float32 products, exact for 16-bit inputs
                 acc = tl.dot(code.to(tl.float32), weight.to(tl.float32), acc, input_precision="ieee")
             else:
@@ -94,7 +97,7 @@ def greedy_markov_drafts(base_logits: torch.Tensor, anchor: torch.Tensor, markov
         base_logits = base_logits.contiguous()
     best = torch.full((batch, num_slots), NO_TOKEN, dtype=torch.long, device=base_logits.device)
     block_b = max(16, min(64, triton.next_power_of_2(batch)))
-    block_r = min(64, rank)
+    block_r = max(16, min(64, triton.next_power_of_2(rank)))
     grid = (triton.cdiv(vocab, BLOCK_V), triton.cdiv(batch, block_b))
     for slot in range(num_slots):
         _markov_slot[grid](
@@ -113,17 +116,16 @@ def _(base_logits, anchor, markov_w1, markov_w2):
 
 def fused_markov_applies(drafter: DSparkDraftModel, base_logits: torch.Tensor) -> bool:
     """Whether `draft_tokens` runs the kernel for `drafter`'s greedy drafts: a vanilla Markov head with plain float
-    weights whose rank is a power of two from 16, and Triton for the logits' device."""
+    weights, and Triton for the logits' device."""
     head = drafter.markov_head
     if os.environ.get(SWITCH_VARIABLE, "1") == "0":
         return False
     if triton is None or head is None or head.head_type != "vanilla" or not triton_available(base_logits.device):
         return False
     w1, w2 = head.markov_w1.weight, head.markov_w2.weight
-    rank = w1.shape[1]
     return (w1.dtype == w2.dtype and w2.dtype in (torch.float32, torch.float16, torch.bfloat16)
             and w1.stride(1) == 1 and w2.stride(1) == 1 and type(head.markov_w2) is torch.nn.Linear
-            and rank >= 16 and rank & (rank - 1) == 0 and w1.device == w2.device == base_logits.device)
+            and w1.device == w2.device == base_logits.device)
 
 
 def draft_tokens(drafter: DSparkDraftModel, anchor: torch.LongTensor, hidden: torch.Tensor,
