@@ -1,7 +1,8 @@
 """The fused greedy Markov loop (`generation/fused_markov.py`) under TRITON_INTERPRET=1 (CPU): the drafts of
 `DSparkDraftModel.draft_tokens` for one and many rows, ranks and vocabularies that do not fill a tile, float32 and
-bfloat16 weights, ties going to the first index; the fallback for heads it does not cover; and `static_generate`
-with it gives plain `generate()`'s tokens. Skipped without triton."""
+bfloat16 weights, ties going to the first index; the fallback for heads it does not cover and with
+`DSPARK_FUSED_MARKOV=0`; `static_generate` and compiled `static_generate_batch` with it give plain `generate()`'s
+tokens. Skipped without triton."""
 
 from __future__ import annotations
 
@@ -78,6 +79,18 @@ def test_heads_the_kernel_does_not_cover_run_the_drafters_loop(head_type, rank):
     assert not fused_markov_applies(drafter, base_logits)
     expected = drafter.draft_tokens(anchor, hidden, base_logits, greedy_selector).tokens
     assert torch.equal(draft_tokens(drafter, anchor, hidden, base_logits)[0], expected)
+
+
+@interp
+def test_the_environment_switch_turns_the_kernel_off(monkeypatch):
+    drafter, anchor, hidden, base_logits = markov_case(96, 16, 2, 4)
+    assert fused_markov_applies(drafter, base_logits)
+    monkeypatch.setenv(fused_markov.SWITCH_VARIABLE, "0")
+    assert not fused_markov_applies(drafter, base_logits)
+    launches = []
+    monkeypatch.setattr(fused_markov, "_markov_slot", CountingKernel(fused_markov._markov_slot, launches))
+    expected = drafter.draft_tokens(anchor, hidden, base_logits, greedy_selector).tokens
+    assert torch.equal(draft_tokens(drafter, anchor, hidden, base_logits)[0], expected) and not launches
 
 
 @interp
