@@ -127,3 +127,40 @@ def test_compiled_batch_rounds_run_the_kernel_as_one_operator(monkeypatch):
     assert len(compilations) == 1 and launches
     called = [str(node.target) for node in compilations[0].graph.nodes if node.op == "call_function"]
     assert any("dspark_hf.greedy_markov_drafts" in name for name in called), called
+
+
+def served(target, drafter, gamma):
+    """Six greedy requests of different lengths through a static engine on 4 rows: (their tokens, each round's
+    accepted drafts per row)."""
+    from dspark_hf.serving import DSparkEngine
+
+    engine = DSparkEngine(target, drafter, max_batch_size=4, max_model_len=64, static=True, policy="fixed",
+                          gamma=gamma, default_sampling={"temperature": 0})
+    prompts = [[5, 9, 11], list(range(4, 20)), [7, 30, 8, 12, 40, 6], [33], [21, 22, 23, 24], [50, 3, 9, 9]]
+    handles = [engine.add_request(prompt, max_tokens=8 + 5 * index) for index, prompt in enumerate(prompts)]
+    engine.run()
+    assert {entry["verify"][0] for entry in engine.round_log} == {gamma or drafter.config.num_draft_slots}
+    return handles, [entry["accepted"] for entry in engine.round_log]
+
+
+@interp
+@pytest.mark.parametrize("gamma", [None, 2], ids=["all_drafts", "two_drafts"])
+def test_static_engine_with_the_fused_loop_serves_exactly(monkeypatch, gamma):
+    """`DSparkEngine(static=True)` (eager rounds on the CPU): requests of different lengths share the rows, rounds
+    verify all γ drafts or the first 2 (the kernel then runs for 2 slots); every request equals its solo
+    `generate()`, and every round accepts what it accepts with the drafter's own loop (`DSPARK_FUSED_MARKOV=0`)."""
+    vocab = 64
+    target = make_bigram_like(tiny_target(vocab_size=vocab, eos_token_id=2))
+    drafter = install_bigram_oracle(tiny_drafter(target, block_size=5, markov_rank=vocab), target, scale=3.0)
+    launches = []
+    monkeypatch.setattr(fused_markov, "_markov_slot", CountingKernel(fused_markov._markov_slot, launches))
+    handles, accepted = served(target, drafter, gamma)
+    for handle in handles:
+        expected = target.generate(torch.tensor([handle.prompt_ids]), max_new_tokens=handle.params.max_tokens,
+                                   do_sample=False)
+        assert handle.tokens == expected[0, len(handle.prompt_ids):].tolist()
+    assert launches and len(launches) % (gamma or drafter.config.num_draft_slots) == 0
+    assert any(max(row) > 0 for row in accepted)
+    monkeypatch.setenv(fused_markov.SWITCH_VARIABLE, "0")
+    launches.clear()
+    assert served(target, drafter, gamma)[1] == accepted and not launches
