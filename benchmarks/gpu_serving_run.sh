@@ -202,7 +202,12 @@
 # Next (one call each, carry_sched; move demo_models/, drafters/ and benchmarks/results/ aside first; a device call
 #     returns at most eight files, so write fewer or split):
 #     1. `PYTHONPATH=src python -m pytest -q -p no:hypothesispytest -n 0 tests/test_cuda_graphs.py` and, in a second
-#        call, tests/test_tensor_ops.py (together they took more than 420 s on a fresh machine);
+#        call, tests/test_tensor_ops.py (together they took more than 420 s on a fresh machine); since 2026-12-07
+#        their oracle drafters (rank 48) run the fused greedy Markov loop (generation/fused_markov.py), which no GPU
+#        call has yet run inside the static engine;
+#     1a. the fused Markov loop in the engine: c = 1 2 4 with the four policies, once as is and once with
+#        DSPARK_FUSED_MARKOV=0 (the speculative engines' rounds should shorten by about what round_speed.py showed at
+#        batch 1, 0.05 ms a round on an H100);
 #     1b. why the hardware-aware engine's rounds cost 8-19 us more than the fixed engines' of the same width: the
 #        49th session (round_width_overhead_*_h100.json of 2026-12-07) found the kernels the same (at c = 128, plain:
 #        --profile-rounds), `choose`'s host work free and longer caches free; the difference is in the device time
