@@ -49,12 +49,12 @@ def start(rounds: StaticRound, drafter, prompt: torch.Tensor) -> None:
     rounds.verifier.rollback(zero)
     if rounds.drafter_cache is not None:
         rewind(rounds.drafter_cache, zero)
-    logits, features = rounds.verifier.prefill(prompt)
-    first = logits[:, -1].argmax(dim=-1)
+    state = rounds.prefill(prompt)
+    first = state.logits.argmax(dim=-1)
     position = torch.tensor(prompt.shape[1], device=prompt.device)
     if drafter is None:
         rounds.start_greedy(first, position)
-    elif start_dspark_rounds(rounds, first, features, position) is not None:
+    elif start_dspark_rounds(rounds, first, state, position) is not None:
         raise ValueError("the prompt must be longer than γ + 1 tokens (a compiled first round)")
 
 

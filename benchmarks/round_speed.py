@@ -99,7 +99,7 @@ from common import (QWEN3_4B, REPO, RESULTS, environment, humaneval_prompts, loa
 
 import dspark_hf  # noqa: E402
 from dspark_hf.devices import synchronize  # noqa: E402
-from dspark_hf.generation import static_generate, static_generate_batch  # noqa: E402
+from dspark_hf.generation import static_generate, static_generate_batch, static_loop  # noqa: E402
 from dspark_hf.serving import DSparkEngine  # noqa: E402
 
 SHAPES = {
@@ -515,7 +515,12 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", help="run only these methods (and plain_eager, the reference); "
                                                       "default: all")
     parser.add_argument("--out", help="JSON path (default benchmarks/results/round_speed_h200.json; smoke: temp dir)")
+    parser.add_argument("--eager-prefill", action="store_true",
+                        help="static_generate prefills in one eager forward even when compiled (the default runs "
+                             "prompts of up to 8 × 64 tokens as graphed 64-token chunks): the before of that change")
     args = parser.parse_args()
+    if args.eager_prefill:
+        static_loop.MAX_PREFILL_CHUNKS = 0
     if args.threads or args.model == "smoke":
         torch.set_num_threads(args.threads or 1)
     dtype = torch.float32 if args.model == "smoke" else getattr(torch, args.dtype)
@@ -527,6 +532,8 @@ def main() -> None:
     only = set(args.methods) if args.methods else None
     common = dict(environment=environment(), dtype=str(dtype).removeprefix("torch."), new_tokens=args.new_tokens,
                   gamma=drafter.config.num_draft_slots, **weight_read_floor(target),
+                  static_prefill="eager" if args.eager_prefill else
+                  f"chunks of {static_loop.PREFILL_CHUNK} up to {static_loop.MAX_PREFILL_CHUNKS} (compiled)",
                   acceptance="real" if args.model == "code50m" else "random weights: timing only (tau ~ 1)")
     entry = {}
     for batch in args.batch:

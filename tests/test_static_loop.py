@@ -16,6 +16,7 @@ from transformers.generation.streamers import BaseStreamer
 import dspark_hf  # noqa: F401
 from dspark_hf.generation import static_generate
 from dspark_hf.generation.fused_projections import FusedLinear
+from dspark_hf.generation import static_loop
 from dspark_hf.generation.static_loop import StaticRound, StaticVerifier
 from dspark_hf.models import TargetLayerTap
 
@@ -79,9 +80,11 @@ def counting_backend():
 
 @pytest.mark.parametrize("with_drafter", [True, False], ids=["dspark", "plain"])
 def test_compiled_round_is_one_graph_with_the_same_tokens(target, with_drafter, monkeypatch):
-    """fullgraph=True: drafter, Markov loop, target forward and acceptance trace without a graph break; one backend
-    call over three whole generations: one shape, no recompilation (what CUDA-graph capture needs). After a prompt
-    longer than γ + 1 tokens even the first round runs compiled."""
+    """fullgraph=True: drafter, Markov loop, target forward and acceptance trace without a graph break; two backend
+    calls over three whole generations (the round and the prefill chunk): one shape each, no recompilation (what
+    CUDA-graph capture needs). After a prompt of at least γ + 1 tokens even the first round runs compiled: the
+    prefill chunks have written the drafter's context (the very first chunk runs eagerly, so the drafter's first
+    forward is not traced)."""
     good = drafters(target)["good"] if with_drafter else None
     compilations, backend = counting_backend()
     torch._dynamo.reset()
@@ -94,10 +97,10 @@ def test_compiled_round_is_one_graph_with_the_same_tokens(target, with_drafter, 
         return round_function(self, *args)
 
     monkeypatch.setattr(StaticRound, "greedy_round", counted)
-    # γ + 1 prompt tokens first (its first round is eager, so is the drafter's first forward); then 12, whose first
-    # round is compiled (within the caches' length: 14 new tokens), then 3
+    # γ + 1 prompt tokens first; then 12 (within the caches' length: 14 new tokens), then 3, fewer than γ + 1, whose
+    # first round runs eagerly over the whole prompt
     width = good.config.num_draft_slots + 1 if with_drafter else 6
-    for ids, new_tokens, eager_first in ((torch.tensor([list(range(30, 30 + width))]), 20, 1),
+    for ids, new_tokens, eager_first in ((torch.tensor([list(range(30, 30 + width))]), 20, 0),
                                          (torch.tensor([list(range(4, 16))]), 14, 0),
                                          (torch.tensor([[5, 9, 11]]), 20, 1)):
         eager_rounds.clear()
@@ -105,7 +108,7 @@ def test_compiled_round_is_one_graph_with_the_same_tokens(target, with_drafter, 
         assert torch.equal(compiled, plain(target, ids, new_tokens))
         if with_drafter:
             assert good.generation_stats.rounds > 2 and len(eager_rounds) == eager_first
-    assert len(compilations) == 1
+    assert len(compilations) == 2
 
 
 @pytest.mark.parametrize("with_drafter", [True, False], ids=["dspark", "plain"])
@@ -122,7 +125,7 @@ def test_sampling_draws_the_same_tokens_eager_and_compiled(target, with_drafter)
                for compile in (False, options)}
     assert all(torch.equal(a, b) for a, b in zip(outputs[False], outputs[True]))
     assert len({tuple(out[0].tolist()) for out in outputs[False]}) > 1  # the seeds do change the draw
-    assert len(compilations) == 1
+    assert len(compilations) == 2  # the round and the prefill chunk
 
 
 def test_features_come_from_the_tap_so_a_drafter_may_tap_the_last_layer(target):
@@ -145,6 +148,61 @@ def test_features_come_from_the_tap_so_a_drafter_may_tap_the_last_layer(target):
     for compile in (False, options):
         assert torch.equal(static_generate(target, drafter, ids, 30, compile=compile), plain(target, ids, 30))
     assert len(compilations) == 1
+
+
+def prompt_of(length: int) -> torch.Tensor:
+    return torch.randint(3, VOCAB_SIZE, (1, length), generator=torch.Generator().manual_seed(length))
+
+
+@pytest.mark.parametrize("length", [3, 6, 64, 150])
+def test_a_chunked_prefill_fills_the_caches_as_one_forward_does(target, length):
+    """Compiled, a prompt is prefilled by `PREFILL_CHUNK`-token forwards (chunks every 64 positions, the last ending
+    at the prompt's end; a short prompt padded past it), each replaying one graph. The last logits, the first round's
+    features and where they start, and every prompt row of the caches equal one eager forward's (the target's rows,
+    the drafter's context rows that the first round does not rewrite), in the first call (first chunk eager) and the
+    next (all chunks traced)."""
+    drafter = drafters(target)["random"]
+    width = drafter.config.num_draft_slots + 1
+    ids = prompt_of(length)
+    compilations, backend = counting_backend()
+    torch._dynamo.reset()
+    options = dict(backend=backend, fullgraph=True, dynamic=False)
+    eager, chunked = (StaticRound(target, drafter, 256, compile, do_sample=False) for compile in (False, options))
+    expected = eager.prefill(ids)
+    assert expected.compiled_first == (length > width)  # (one eager forward: the drafter's first forward runs alone)
+    for _ in range(2):
+        got = chunked.prefill(ids)
+        assert got.compiled_first == (length >= width)
+        torch.testing.assert_close(got.logits, expected.logits, rtol=1e-5, atol=1e-5)
+        if expected.compiled_first:
+            torch.testing.assert_close(got.features, expected.features, rtol=1e-5, atol=1e-5)
+            assert int(got.context_start) == int(expected.context_start) == length - width
+        for ours, theirs, rows in ((chunked.verifier.cache, eager.verifier.cache, length),
+                                   (chunked.drafter_cache, eager.drafter_cache, length - width)):
+            for a, b in zip(ours.layers, theirs.layers):
+                if rows > 0:
+                    torch.testing.assert_close(a.keys[:, :, :rows], b.keys[:, :, :rows], rtol=1e-5, atol=1e-5)
+                    torch.testing.assert_close(a.values[:, :, :rows], b.values[:, :, :rows], rtol=1e-5, atol=1e-5)
+    assert len(compilations) == 1  # one chunk shape, whatever the prompt's length
+
+
+@pytest.mark.parametrize("with_drafter", [True, False], ids=["dspark", "plain"])
+def test_long_prompts_prefill_in_chunks_or_in_one_eager_forward_with_plain_tokens(target, with_drafter, monkeypatch):
+    """Compiled greedy decoding after a 150-token prompt (three chunks) gives plain `generate()`'s tokens; with
+    `MAX_PREFILL_CHUNKS` 2 the same prompt prefills in one eager forward instead, with the same tokens."""
+    drafter = drafters(target)["good"] if with_drafter else None
+    ids = prompt_of(150)
+    expected = plain(target, ids, 20)
+    eager_prefills, prefill = [], StaticVerifier.prefill
+    monkeypatch.setattr(StaticVerifier, "prefill", lambda self, ids: eager_prefills.append(ids) or prefill(self, ids))
+    compilations, backend = counting_backend()
+    torch._dynamo.reset()
+    options = dict(backend=backend, fullgraph=True, dynamic=False)
+    for chunks, eager in ((8, 0), (2, 1)):
+        monkeypatch.setattr(static_loop, "MAX_PREFILL_CHUNKS", chunks)
+        eager_prefills.clear()
+        assert torch.equal(static_generate(target, drafter, ids, 20, compile=options), expected)
+        assert len(eager_prefills) == eager
 
 
 def test_a_target_whose_static_cache_cannot_roll_back_is_refused():

@@ -146,6 +146,11 @@ def fuse_projections(model: nn.Module) -> int:
     return fused
 
 
+def watching(model: nn.Module) -> bool:
+    """Whether a fused group of `model` has yet to watch its first forward (which must run eagerly: not traced)."""
+    return any(isinstance(module, FusedLinear) and module.fusion.runs is None for module in model.modules())
+
+
 def _release(member: FusedLinear) -> None:
     """Makes `member` a plain `nn.Linear` again, keeping its parameters as they are."""
     member.__class__ = nn.Linear

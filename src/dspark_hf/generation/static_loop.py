@@ -31,7 +31,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import torch
 from transformers import (
@@ -62,6 +62,21 @@ from .static_attention import using_static_attention
 from .target_features import check_drafter_fits_target
 
 R = TypeVar("R")
+
+PREFILL_CHUNK = 64  # prompt tokens per compiled prefill forward
+MAX_PREFILL_CHUNKS = 8  # a longer prompt prefills in one eager forward, where launches weigh less than its compute
+
+
+class PromptState(NamedTuple):
+    """A prefilled prompt (`StaticRound.prefill`): its last logits [1, V] (float32); with a drafter, the features
+    of the first round [1, C, K·H] and the target position they start at, and whether that round runs compiled
+    (C = γ + 1) or eagerly (C = L, from 0: a prompt of at most γ + 1 tokens, or one whose drafter context could not
+    be written outside a traced round)."""
+
+    logits: torch.Tensor
+    features: torch.Tensor | None
+    context_start: torch.Tensor
+    compiled_first: bool
 
 
 def rewind(cache: StaticCache, length: torch.Tensor) -> None:
@@ -102,8 +117,11 @@ class StaticVerifier:
         self.tap = TargetLayerTap(target, layer_ids) if layer_ids else None  # hooks live only inside `with self.tap`
         self.cache = rewindable_cache(target, max_length)
 
-    def forward(self, ids: torch.LongTensor, positions: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        out = self.target(input_ids=ids, position_ids=positions, past_key_values=self.cache, use_cache=True)
+    def forward(self, ids: torch.LongTensor, positions: torch.LongTensor,
+                logits_to_keep: int | torch.Tensor = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`logits_to_keep` as transformers' causal LMs take it: the last n rows (0: all) or a tensor of row indices."""
+        out = self.target(input_ids=ids, position_ids=positions, past_key_values=self.cache, use_cache=True,
+                          logits_to_keep=logits_to_keep)
         return out.logits.float(), self.tap.features() if self.tap is not None else None
 
     def prefill(self, ids: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -167,13 +185,92 @@ class StaticRound:
             for buffer in (self.record, self.round_index, self.anchor, self.context_start, self.position):
                 torch._dynamo.mark_static_address(buffer)  # updated in place: CUDA graphs keep their addresses
         self.compiled = compiled_round(self.step, compile, target.device) if compile else self.step
+        self.prefill_chunk = None  # compiled: prompts of up to MAX_PREFILL_CHUNKS chunks prefill chunk by chunk
+        if compile:
+            device = target.device
+            self.chunk_ids = torch.zeros(1, PREFILL_CHUNK, dtype=torch.long, device=device)
+            self.chunk_start = torch.zeros((), dtype=torch.long, device=device)  # the chunk's first position
+            self.chunk_last = torch.zeros(1, dtype=torch.long, device=device)  # its row whose logits are kept
+            for buffer in (self.chunk_ids, self.chunk_start, self.chunk_last):
+                torch._dynamo.mark_static_address(buffer)
+            self.prefill_chunk = compiled_round(self._prefill_chunk, compile, device)
         self.capture_key = CaptureKey()
 
     def keep_graph_valid(self, *choices: object) -> None:
         """Drops the captured round graph when what it reads has moved since the capture (parameters or buffers at
         new addresses: the models were moved, their projections fused anew) or other kernels were chosen
         (`choices`); the next rounds warm up and capture again."""
-        self.capture_key.reset_if_moved([self.compiled], (self.target, self.drafter), *choices)
+        graphs = [self.compiled] + ([self.prefill_chunk] if self.prefill_chunk is not None else [])
+        self.capture_key.reset_if_moved(graphs, (self.target, self.drafter), *choices)
+
+    # ------------------------------------------------------------------ the prompt
+    def prefill(self, ids: torch.LongTensor) -> PromptState:
+        """The prompt `ids` [1, L] into the caches (the target's, and with a drafter its context K/V of every prompt
+        position but those the first round rewrites) -> `PromptState`. Compiled, a prompt of at most
+        `MAX_PREFILL_CHUNKS` chunks (and no longer than the caches) runs as `PREFILL_CHUNK`-token forwards, each a
+        replay of one graph (the first one eagerly while a cache or a fused projection has not seen a forward: that
+        must not be traced); otherwise, or for a longer prompt, one eager forward."""
+        length, device = ids.shape[1], ids.device
+        width = self.drafter.config.num_draft_slots + 1 if self.drafter is not None else 0
+        zero = torch.zeros((), dtype=torch.long, device=device)
+        if self.prefill_chunk is not None and max(length, PREFILL_CHUNK) <= min(self.max_length,
+                                                                                MAX_PREFILL_CHUNKS * PREFILL_CHUNK):
+            logits, features = self._chunked_prefill(ids)
+            if features is None:
+                return PromptState(logits, None, zero, True)
+            if length >= width:  # the drafter's context is written: even a first round of the same shape is compiled
+                return PromptState(logits, standard(features[:, -width:]), zero + length - width, True)
+            return PromptState(logits, standard(features), zero, False)
+        logits, features = self.verifier.prefill(ids)
+        if features is None:
+            return PromptState(logits[:, -1], None, zero, True)
+        start = self.compiled_start(features, zero + length)
+        if start is None:
+            return PromptState(logits[:, -1], features, zero, False)
+        return PromptState(logits[:, -1], *start, True)
+
+    def _chunked_prefill(self, ids: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`prefill` in chunks -> (the last prompt row's logits [1, V], the prompt features of the last chunk
+        [1, min(L, PREFILL_CHUNK), K·H] or None). Chunks start every `PREFILL_CHUNK` positions, the last one ending
+        at the prompt's end (it may recompute some of its predecessor's positions); a prompt shorter than a chunk is
+        padded after its end, and the positions there are overwritten before anything reads them."""
+        length = ids.shape[1]
+        padded = torch.nn.functional.pad(ids, (0, max(0, PREFILL_CHUNK - length)))
+        starts = list(range(0, length - PREFILL_CHUNK, PREFILL_CHUNK)) + [max(0, length - PREFILL_CHUNK)]
+        self.chunk_last.fill_(min(length, PREFILL_CHUNK) - 1)
+        first_eager = not self.verifier.cache.layers[0].is_initialized or any(
+            fused_projections.watching(model) for model in (self.target, self.drafter) if model is not None)
+        if self.drafter_cache is not None:
+            first_eager |= not self.drafter_cache.layers[0].is_initialized
+        with self.verifier.tapping():
+            for index, start in enumerate(starts):
+                self.chunk_ids.copy_(padded[:, start: start + PREFILL_CHUNK])
+                self.chunk_start.fill_(start)
+                logits, features = (self._prefill_chunk if first_eager and index == 0 else self.prefill_chunk)()
+        self.verifier.rollback(torch.full((), length, device=ids.device))  # (plain steps write where it points)
+        return logits.clone(), None if features is None else features[:, :length]  # (a graph's next replay
+        # overwrites its outputs: the caller copies what it keeps)
+
+    def _prefill_chunk(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The target over `chunk_ids` at positions `chunk_start` .. (with a drafter, the drafter's context K/V of
+        the same positions too) -> (float32 logits of row `chunk_last` [1, V], the chunk's features or None)."""
+        start = self.chunk_start
+        self.verifier.rollback(start)
+        positions = (start + torch.arange(PREFILL_CHUNK, device=start.device))[None]
+        logits, features = self.verifier.forward(self.chunk_ids, positions, logits_to_keep=self.chunk_last)
+        if features is not None:
+            self._write_drafter_context(features, start)
+        return logits[:, -1], features
+
+    def _write_drafter_context(self, features: torch.Tensor, start: torch.Tensor) -> None:
+        """The drafter's context K/V of `features` [1, n, K·H] (target positions `start` ..) into its cache, by one
+        drafter forward whose block output is not used."""
+        rewind(self.drafter_cache, start)
+        count, device = features.shape[1], start.device
+        block = torch.full((1, 1), self.drafter.config.mask_token_id, dtype=torch.long, device=device)
+        self.drafter(input_ids=block, target_hidden_states=features, past_key_values=self.drafter_cache,
+                     context_position_ids=(start + torch.arange(count, device=device))[None],
+                     position_ids=(start + count).view(1, 1))
 
     # ------------------------------------------------------------------ DSpark rounds
     # A greedy round's stages: draft_backbone, the drafter's draft_tokens (Markov loop), verify_forward,
@@ -247,14 +344,8 @@ class StaticRound:
         start = features.shape[1] - width
         if start <= 0:
             return None
-        rewind(self.drafter_cache, torch.zeros_like(position))
-        # the block's output is not used: only the context K/V the forward appends to the cache matter
-        block = torch.full((1, 1), self.drafter.config.mask_token_id, dtype=torch.long, device=position.device)
-        self.drafter(input_ids=block, target_hidden_states=features[:, :start], past_key_values=self.drafter_cache,
-                     context_position_ids=torch.arange(start, device=position.device)[None],
-                     position_ids=position.view(1, 1))
-        # a round's features have standard strides (`contiguous()` would keep the slice's batch stride)
-        return features[:, start:].clone(memory_format=torch.contiguous_format), position - width
+        self._write_drafter_context(features[:, :start], torch.zeros_like(position))
+        return standard(features[:, start:]), position - width
 
     def start_greedy(self, anchor: torch.Tensor, position: torch.Tensor, features: torch.Tensor | None = None,
                      context_start: torch.Tensor | None = None) -> None:
@@ -298,6 +389,12 @@ class StaticRound:
         logits, _ = self.verifier.forward(token[:, None], position.view(1, 1))
         processed = processed_scores(logits[:, -1], temperatures, top_ks, top_ps)
         return race(processed.softmax(dim=-1), noise), position + 1
+
+
+def standard(features: torch.Tensor) -> torch.Tensor:
+    """A copy of `features` with standard strides, as a round's features have (`contiguous()` would keep a slice's
+    batch stride)."""
+    return features.clone(memory_format=torch.contiguous_format)
 
 
 def exponential_noise(shape: tuple[int, ...], generator: torch.Generator, device: torch.device) -> torch.Tensor:
@@ -399,6 +496,8 @@ def static_generate(
     block = drafter.config.block_size if drafter is not None else 0
     # greedy rounds are queued ahead and may run up to γ tokens past the budget
     max_length = input_ids.shape[1] + max_new_tokens + 2 * (block + 1)
+    if compile:  # a prompt shorter than a prefill chunk is padded to one
+        max_length = max(max_length, PREFILL_CHUNK)
     with fast_path(target, drafter, max_length, compile, do_sample, attention, fuse_projections) as rounds:
         device, length = target.device, input_ids.shape[1]
         eos = target.generation_config.eos_token_id if eos_token_id is None else eos_token_id
@@ -414,8 +513,8 @@ def static_generate(
                         None if top_k is None else torch.tensor([top_k], device=device),
                         None if top_p is None else torch.tensor([top_p], device=device))
         vocab = target.config.get_text_config().vocab_size
-        logits, features = rounds.verifier.prefill(input_ids.to(device))
-        last = logits[:, -1]
+        prompt = rounds.prefill(input_ids.to(device))
+        last = prompt.logits
         if do_sample:
             noise = exponential_noise((1, vocab), generator, device)
             first = race(processed_scores(last, *sampling).softmax(dim=-1), noise)
@@ -423,11 +522,11 @@ def static_generate(
             first = last.argmax(dim=-1)
         position = torch.tensor(length, device=device)
         if not do_sample:
-            out = greedy_loop(rounds, first, features, position, max_new_tokens, eos_ids)
+            out = greedy_loop(rounds, first, prompt, position, max_new_tokens, eos_ids)
         elif drafter is None:
             out = sampled_plain_loop(rounds, first, position, max_new_tokens, eos_ids, sampling, generator, vocab)
         else:
-            out = sampled_dspark_loop(rounds, first, features, position, max_new_tokens, eos_ids, sampling, generator,
+            out = sampled_dspark_loop(rounds, first, prompt, position, max_new_tokens, eos_ids, sampling, generator,
                                       vocab)
         out = out[:max_new_tokens]
         return torch.cat([input_ids, torch.tensor([out], dtype=input_ids.dtype, device=input_ids.device)], dim=1)
@@ -453,28 +552,27 @@ def record_round(stats: DSparkStats, drafted: int, accepted: int, committed: int
 ROUNDS_PER_READ_WITH_EOS = 8
 
 
-def start_dspark_rounds(rounds: StaticRound, first, features, position) -> tuple[list[int], float] | None:
-    """Sets the state buffers for the first queued greedy DSpark round after the prefill (`first` token, prompt
-    `features`, `position` = prompt length). After a prompt of more than γ + 1 tokens that round runs compiled
-    (`StaticRound.compiled_start`); otherwise it runs here, eagerly on all of the prompt, and its (record row,
-    seconds) is returned."""
-    start = rounds.compiled_start(features, position)
-    if start is not None:
-        rounds.start_greedy(first, position, *start)
+def start_dspark_rounds(rounds: StaticRound, first, prompt: PromptState,
+                        position) -> tuple[list[int], float] | None:
+    """Sets the state buffers for the first queued greedy DSpark round after the prefill (`first` token, the
+    `prompt`'s state, `position` = prompt length). When `prompt.compiled_first` that round runs compiled; otherwise
+    it runs here, eagerly on all of the prompt, and its (record row, seconds) is returned."""
+    if prompt.compiled_first:
+        rounds.start_greedy(first, position, prompt.features, prompt.context_start)
         return None
     started = time.perf_counter()
     with rounds.verifier.tapping():
-        host, anchor, step_features, next_position = rounds.greedy_round(first, features, torch.zeros_like(position),
-                                                                         position)
+        host, anchor, step_features, next_position = rounds.greedy_round(first, prompt.features,
+                                                                         prompt.context_start, position)
     rounds.start_greedy(anchor, next_position, step_features, position)
     return host.tolist(), time.perf_counter() - started
 
 
-def greedy_loop(rounds: StaticRound, first, features, position, max_new_tokens, eos_ids) -> list:
+def greedy_loop(rounds: StaticRound, first, prompt: PromptState, position, max_new_tokens, eos_ids) -> list:
     """Greedy decoding from state kept on the device: the host queues as many rounds as cannot overshoot the budget
     (remaining tokens / tokens per round, at most `ROUNDS_PER_READ_WITH_EOS` while an eos may come), then reads their
-    records in one synchronisation. DSpark's first round is compiled too (`StaticRound.compiled_start`) unless the
-    prompt has at most γ + 1 tokens; then it runs eagerly first."""
+    records in one synchronisation. DSpark's first round is compiled too unless `prompt` says otherwise; then it runs
+    eagerly first."""
     drafter = rounds.drafter
     out = [int(first)]
     stats = None
@@ -488,7 +586,7 @@ def greedy_loop(rounds: StaticRound, first, features, position, max_new_tokens, 
         per_round = 1
     else:
         per_round = drafter.config.num_draft_slots + 1
-        eager_round = start_dspark_rounds(rounds, first, features, position)
+        eager_round = start_dspark_rounds(rounds, first, prompt, position)
         if eager_round is not None:
             pending.append(eager_round)
     queued = 0
@@ -527,18 +625,16 @@ def sampled_plain_loop(rounds: StaticRound, token, position, max_new_tokens, eos
     return torch.cat(tokens).tolist()
 
 
-def sampled_dspark_loop(rounds: StaticRound, first, features, position, max_new_tokens, eos_ids, sampling, generator,
-                        vocab) -> list:
-    """DSpark sampling: every round through `rounds.compiled` (the first eagerly when the prompt has at most
-    γ + 1 tokens), each verified by `dspark_hf.verify` after the graph; one host sync per round."""
+def sampled_dspark_loop(rounds: StaticRound, first, prompt: PromptState, position, max_new_tokens, eos_ids, sampling,
+                        generator, vocab) -> list:
+    """DSpark sampling: every round through `rounds.compiled` (the first eagerly unless `prompt.compiled_first`),
+    each verified by `dspark_hf.verify` after the graph; one host sync per round."""
     drafter, device = rounds.drafter, position.device
     gamma = drafter.config.num_draft_slots
     out = [int(first)]
     stats = drafter.generation_stats = DSparkStats()
-    anchor, context_start, step = first, torch.zeros((), dtype=torch.long, device=device), rounds.step
-    start = rounds.compiled_start(features, position)
-    if start is not None:
-        (features, context_start), step = start, rounds.compiled
+    anchor, features, context_start = first, prompt.features, prompt.context_start
+    step = rounds.compiled if prompt.compiled_first else rounds.step
     temperature, top_k, top_p = sampling
     while len(out) < max_new_tokens and out[-1] not in eos_ids:
         started = time.perf_counter()
@@ -563,7 +659,8 @@ def sampled_dspark_loop(rounds: StaticRound, first, features, position, max_new_
 
 def fast_path_call(target: PreTrainedModel, drafter: DSparkDraftModel, input_ids: torch.LongTensor,
                    logits_processor: LogitsProcessorList, stopping_criteria: StoppingCriteriaList,
-                   generation_config: GenerationConfig, synced_gpus: bool, streamer, attention_mask) -> tuple[int, dict]:
+                   generation_config: GenerationConfig, synced_gpus: bool, streamer,
+                   attention_mask) -> tuple[int, dict]:
     """What a `generate(assistant_model=drafter, cache_implementation="static")` call asks of the fast path: (the new
     tokens it allows, the keyword arguments of `static_generate` / `static_generate_batch`: temperature / top-k /
     top-p, eos, compiled on CUDA unless `disable_compile=True`, a seed from torch's global generator). Anything else

@@ -190,10 +190,10 @@ def profile_static_round(
     recorded = 1 + 2 * (warmup + phases * rounds)  # the split round's eager first round, the split and fused rounds
     max_length = input_ids.shape[1] + (recorded + 3) * width  # + a first round run before them, + a margin
     with fast_path(target, drafter, max_length, compile, False, attention, fuse_projections) as state:
-        logits, features = state.verifier.prefill(input_ids.to(device))
-        first = logits[:, -1].argmax(dim=-1)
+        prompt = state.prefill(input_ids.to(device))
+        first = prompt.logits.argmax(dim=-1)
         position = torch.tensor(input_ids.shape[1], device=device)
-        eager_round = start_dspark_rounds(state, first, features, position)
+        eager_round = start_dspark_rounds(state, first, prompt, position)
         timer, gpu = _Timer(device), {}
         with state.verifier.tapping():
             split = _SplitRound(state, compile)
