@@ -69,8 +69,10 @@ Every method runs under `dspark_hf.decoding_attention()`, so all use the same at
 floor is the target's weight bytes over the device's measured copy bandwidth (2 × bytes / seconds of a 1 GiB
 `copy_`). Random-weight targets accept almost nothing, so their DSpark rows measure the cost of a round
 (τ ≈ 1). `static_generate` rows also give the steady state: `ms_per_steady_round` (DSpark: the rounds after the
-first one, from its round statistics) and `prefill_ms` / `ms_per_steady_token`
-(plain: the prefill timed alone, one new token, and the rest per token). Summary keys (batch 1):
+first one, from its round statistics, and `ms_outside_steady_rounds`: the rest of the call, prefill included) and
+`prefill_ms` / `ms_per_steady_token` (plain: the prefill timed alone, one new token, and the rest per token).
+Compiled, `static_generate` prefills a prompt of up to 512 tokens as graphed 64-token chunks; `--eager-prefill`
+runs it as one eager forward instead (before 2026-12-07). Summary keys (batch 1):
 `round_time_over_floor_4b` / `_8b` (`dspark_static_compiled`'s ms per steady round over the floor;
 `plain_step_over_floor_*` the same for `plain_static_compiled`'s ms per steady token), and for the fixture `tau`
 and `speedup_over_fast_plain` (`dspark_static_compiled` tokens/s over the fastest of `plain_eager`,
@@ -333,6 +335,8 @@ def measure(target, drafter, prompt, new_tokens: int, assistant=None, only: set[
             row.update(tau=stats.tau, rounds=stats.rounds, ms_per_round=1e3 * seconds / max(1, stats.rounds))
             if name.startswith("dspark_static") and stats.rounds > 1:  # the rounds after the first one
                 row["ms_per_steady_round"] = 1e3 * sum(stats.verify_seconds[1:]) / (stats.rounds - 1)
+                # the prefill, the first round and whatever else the call spent outside the steady rounds
+                row["ms_outside_steady_rounds"] = 1e3 * (seconds - sum(stats.verify_seconds[1:]))
         elif name in ("plain_static", "plain_static_compiled"):  # per step after the prefill (timed alone; the
             # same compile setting, so that the loop built for the method is reused, not replaced)
             compiled = name == "plain_static_compiled" and device.type == "cuda"
