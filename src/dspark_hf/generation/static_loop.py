@@ -9,6 +9,8 @@ batch 1 with a fixed verify length, but every round is the same function of the 
   (greedy argmax, or an exponential race on noise drawn before the round, so sampling needs no generator inside),
   then the target's forward over `[anchor, γ drafts]` and, greedy, the acceptance;
 - rejected tokens are rolled back by moving each cache's write position back, inside the round;
+- compiled, a prompt of up to 512 tokens goes in as 64-token chunks, each a replay of one graph (target forward and
+  the drafter's context), not as one eager forward, whose kernel launches cost a small model more than its compute;
 - greedy decoding keeps the next round's anchor, positions and features, and a record of every round, in device
   buffers: the host queues as many rounds as cannot overshoot `max_new_tokens` and reads their records in one
   synchronisation; sampling verifies through `dspark_hf.verify` after each round, one synchronisation per round.
@@ -137,8 +139,9 @@ class StaticVerifier:
 
 
 class StaticRound:
-    """Target and drafter on static caches, and the round function over them (`compiled` for every round after
-    `compiled_start`, which share one shape; eager for a first round after a prompt of at most γ + 1 tokens).
+    """Target and drafter on static caches, the prompt's prefill (`prefill`) and the round function over them
+    (`compiled` for every round after the prefill, which share one shape; eager for a first round after a short
+    prompt: `PromptState.compiled_first`).
 
     `StaticRound.for_models(...)` keeps the last one built for a drafter (or a target decoding plainly) and reuses it
     while it fits, so repeated calls neither reallocate the caches nor recompile (dynamo recompiles a new instance,
