@@ -266,18 +266,23 @@ def test_static_generate_on_cuda_replays_one_graph_and_equals_plain_generate(wit
     target = make_bigram_like(tiny_target("qwen3", vocab_size=VOCAB_SIZE, eos_token_id=EOS))
     drafter = drafters(target)["good"].cuda() if with_drafter else None  # (built from the target on the CPU)
     target.cuda()
-    for ids, new_tokens in ((torch.tensor([list(range(4, 16))]), 30), (torch.tensor([[5, 9, 11]]), 24)):
+    long_prompt = torch.arange(150)[None] % (VOCAB_SIZE - 4) + 4  # three prefill chunks
+    for ids, new_tokens in ((torch.tensor([list(range(4, 16))]), 30), (torch.tensor([[5, 9, 11]]), 24),
+                            (long_prompt, 20), (long_prompt[:, :70], 20)):
         ids = ids.cuda()
         expected = plain(target, ids, new_tokens)
         assert torch.equal(static_generate(target, drafter, ids, new_tokens, compile=True), expected)
-    graphed = StaticRound._kept[drafter if with_drafter else target].compiled
-    assert isinstance(graphed, GraphedFunction) and graphed.captured
+    kept = StaticRound._kept[drafter if with_drafter else target]
+    graphed = kept.compiled
+    assert isinstance(graphed, GraphedFunction) and graphed.captured and kept.prefill_chunk.captured
     target.cpu().cuda()  # the weights move: the captured round must not read the old addresses
     if drafter is not None:
         drafter.cpu().cuda()
     ids = torch.tensor([list(range(6, 20))], device="cuda")
     assert torch.equal(static_generate(target, drafter, ids, 30, compile=True), plain(target, ids, 30))
     assert graphed.captured
+    ids = long_prompt[:, 10:].cuda()  # (the prefill's graph, dropped with the round's, captured again)
+    assert torch.equal(static_generate(target, drafter, ids, 30, compile=True), plain(target, ids, 30))
 
 
 @cuda
