@@ -212,7 +212,8 @@ class StaticRound:
         position but those the first round rewrites) -> `PromptState`. Compiled, a prompt of at most
         `MAX_PREFILL_CHUNKS` chunks (and no longer than the caches) runs as `PREFILL_CHUNK`-token forwards, each a
         replay of one graph (the first one eagerly while a cache or a fused projection has not seen a forward: that
-        must not be traced); otherwise, or for a longer prompt, one eager forward."""
+        must not be traced; and, until the graph is captured, again for its warm-ups and capture, so that the first
+        call pays for them, as it pays for the round's); otherwise, or for a longer prompt, one eager forward."""
         length, device = ids.shape[1], ids.device
         width = self.drafter.config.num_draft_slots + 1 if self.drafter is not None else 0
         zero = torch.zeros((), dtype=torch.long, device=device)
@@ -245,11 +246,18 @@ class StaticRound:
             fused_projections.watching(model) for model in (self.target, self.drafter) if model is not None)
         if self.drafter_cache is not None:
             first_eager |= not self.drafter_cache.layers[0].is_initialized
+        chunk = self.prefill_chunk
         with self.verifier.tapping():
             for index, start in enumerate(starts):
                 self.chunk_ids.copy_(padded[:, start: start + PREFILL_CHUNK])
                 self.chunk_start.fill_(start)
-                logits, features = (self._prefill_chunk if first_eager and index == 0 else self.prefill_chunk)()
+                if index == 0:
+                    if first_eager:
+                        self._prefill_chunk()
+                    # warm-ups and the capture now, not in a later call (a chunk run again writes the same rows)
+                    while isinstance(chunk, GraphedFunction) and chunk.on_cuda and not chunk.captured:
+                        chunk()
+                logits, features = chunk()
         self.verifier.rollback(torch.full((), length, device=ids.device))  # (plain steps write where it points)
         return logits.clone(), None if features is None else features[:, :length]  # (a graph's next replay
         # overwrites its outputs: the caller copies what it keeps)
