@@ -17,6 +17,7 @@ from dspark_hf.generation.fused_projections import (
     fuse_projections,
     projection_fusion,
     unfuse_projections,
+    watching,
 )
 
 IDS = torch.tensor([[5, 9, 11, 4, 30, 8, 17]])
@@ -82,8 +83,8 @@ def test_fused_rounds_trace_as_one_graph_with_the_same_tokens(with_drafter):
     options = dict(backend=backend, fullgraph=True, dynamic=False)
     got = static_generate(target, drafter, IDS, 20, compile=options, fuse_projections=True)
     assert torch.equal(got, target.generate(IDS, max_new_tokens=20, do_sample=False))
-    assert len(graphs) == 1
-    linears = [n for n in graphs[0].graph.nodes if n.target is torch._C._nn.linear]
+    assert len(graphs) == 2  # the prefill chunk's, then the round's
+    linears = [n for n in graphs[1].graph.nodes if n.target is torch._C._nn.linear]
     fused_width = target.config.num_attention_heads * target.config.head_dim + 2 * (
         target.config.num_key_value_heads * target.config.head_dim)
     assert any(n.meta["example_value"].shape[-1] == fused_width for n in linears)  # one GEMM for q, k and v
@@ -99,6 +100,35 @@ def test_a_move_that_breaks_the_views_is_noticed_and_fused_anew():
     with projection_fusion():
         assert torch.allclose(logits(model), expected, atol=1e-12)
     assert all(g.intact() and g.weight.dtype == torch.float64 for g in groups(model))
+
+
+def test_a_call_with_the_groups_in_place_does_not_walk_the_model(monkeypatch):
+    """`fuse_projections` runs on every call of the fast path: while the groups it left last time are in place and
+    intact, it checks them alone. A move, a replaced member or `unfuse_projections` sends it through the model again;
+    `watching` tells, with fusion active, whether a group has yet to see its first forward."""
+    model = tiny_target("qwen3", vocab_size=48)
+    layers = model.config.num_hidden_layers
+    assert fuse_projections(model) == 2 * layers
+    walks, modules = [], model.modules
+    monkeypatch.setattr(model, "modules", lambda: walks.append(1) or modules())
+    assert fuse_projections(model) == 0 and not walks
+    assert not watching(model)  # (fusion not active)
+    with projection_fusion():
+        assert watching(model)
+        logits(model)
+        assert not watching(model)
+    model.to(torch.float64)
+    assert fuse_projections(model) == 2 * layers and len(walks) == 1
+    attention = model.model.layers[0].self_attn
+    attention.q_proj = nn.Linear(attention.q_proj.in_features, attention.q_proj.out_features, bias=False,
+                                 dtype=torch.float64)
+    fuse_projections(model)
+    assert len(walks) == 2 and fuse_projections(model) == 0 and len(walks) == 2
+    unfuse_projections(model)
+    unfused = logits(model)
+    assert fuse_projections(model) == 2 * layers and len(walks) == 4  # (unfusing walks too)
+    with projection_fusion():
+        assert torch.allclose(logits(model), unfused, atol=1e-12)
 
 
 def test_a_fused_model_saves_and_loads_as_before(tmp_path):

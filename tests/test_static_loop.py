@@ -147,7 +147,7 @@ def test_features_come_from_the_tap_so_a_drafter_may_tap_the_last_layer(target):
     options = dict(backend=backend, fullgraph=True)
     for compile in (False, options):
         assert torch.equal(static_generate(target, drafter, ids, 30, compile=compile), plain(target, ids, 30))
-    assert len(compilations) == 1
+    assert len(compilations) == 2  # the prefill chunk and the round
 
 
 def prompt_of(length: int) -> torch.Tensor:

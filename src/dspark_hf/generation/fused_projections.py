@@ -18,6 +18,7 @@ slice. The model's attention and MLP code is untouched; the projections return t
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -121,34 +122,52 @@ def _fusable(members: list[nn.Module], shared: set[int]) -> bool:
                and not {id(p) for p in m.parameters()} & shared for m in members)
 
 
+# model -> its groups as `fuse_projections` last left them: (parent module, member names, group)
+_fused_groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 @torch.no_grad()
 def fuse_projections(model: nn.Module) -> int:
     """Fuses every group of sibling projections in `model` (see the module docstring); a group fused before whose
-    parameters were since replaced (`.to()`, loading) is fused anew. Returns the number of groups fused now."""
-    fused, seen, shared = 0, set(), set()
+    parameters were since replaced (`.to()`, loading) is fused anew. Returns the number of groups fused now. When the
+    groups of the last call are all in place and intact, it returns 0 at once, without walking the model (a walk
+    cost about 1.7 ms for an 8-layer model on the development CPU, on every call of the fast path)."""
+    recorded = _fused_groups.get(model)
+    if recorded is not None and all(group.members == [getattr(module, name, None) for name in names]
+                                    and group.intact() for module, names, group in recorded):
+        return 0
+    fused, seen, shared, record = 0, set(), set(), []
     for _, parameter in model.named_parameters(remove_duplicate=False):
         (shared if id(parameter) in seen else seen).add(id(parameter))
     for module in model.modules():
         for names in PROJECTION_GROUPS:
-            members = [getattr(module, name, None) for name in names]
-            members = [m for m in members if isinstance(m, nn.Module)]
+            present = [name for name in names if isinstance(getattr(module, name, None), nn.Module)]
+            members = [getattr(module, name) for name in present]
             if len(members) < 2:
                 continue
             if all(isinstance(m, FusedLinear) for m in members):
                 group = members[0].fusion
                 if group.members == members and group.intact():
+                    record.append((module, present, group))
                     continue
                 for member in members:
                     _release(member)
             if _fusable(members, shared):
-                ProjectionGroup(members)
+                record.append((module, present, ProjectionGroup(members)))
                 fused += 1
+    _fused_groups[model] = record
     return fused
 
 
 def watching(model: nn.Module) -> bool:
-    """Whether a fused group of `model` has yet to watch its first forward (which must run eagerly: not traced)."""
-    return any(isinstance(module, FusedLinear) and module.fusion.runs is None for module in model.modules())
+    """Whether, with fusion active, a fused group of `model` has yet to watch its first forward (which must run
+    eagerly: not traced)."""
+    if not _active:
+        return False
+    recorded = _fused_groups.get(model)
+    groups = ([group for _, _, group in recorded] if recorded is not None
+              else [module.fusion for module in model.modules() if isinstance(module, FusedLinear)])
+    return any(group.runs is None for group in groups)
 
 
 def _release(member: FusedLinear) -> None:
@@ -159,6 +178,7 @@ def _release(member: FusedLinear) -> None:
 
 def unfuse_projections(model: nn.Module) -> None:
     """Gives every fused member of `model` its own weight again and makes it a plain `nn.Linear`."""
+    _fused_groups.pop(model, None)
     for module in model.modules():
         if isinstance(module, FusedLinear):
             with torch.no_grad():
