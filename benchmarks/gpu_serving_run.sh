@@ -204,7 +204,13 @@
 #     1. `PYTHONPATH=src python -m pytest -q -p no:hypothesispytest -n 0 tests/test_cuda_graphs.py` and, in a second
 #        call, tests/test_tensor_ops.py (together they took more than 420 s on a fresh machine); since 2026-12-07
 #        their oracle drafters (rank 48) run the fused greedy Markov loop (generation/fused_markov.py), which no GPU
-#        call has yet run inside the static engine;
+#        call has yet run inside the static engine. 2026-12-07 (51st session, H100): `-k "static_generate_on_cuda or
+#        sampling_on_cuda"` passed with the chunked prefill (cuda_graphs_chunked_prefill_tests_h100.log), but
+#        `-k test_static_engine_on_cuda_serves_exactly` was cut twice by its own timeout (150 s, 220 s, after about
+#        300 s of other work on a fresh machine): give it a call of its own;
+#     1c. `round_speed.py --model qwen3-4b-shape --methods plain_static_compiled dspark_static_compiled`, once as is
+#        and once with --eager-prefill (the 4B shape's eager prefill has not been timed with the chunks), and the
+#        fixture's three-run series on an H200;
 #     1a. the fused Markov loop in the engine: c = 1 2 4 with the four policies, once as is and once with
 #        DSPARK_FUSED_MARKOV=0 (the speculative engines' rounds should shorten by about what round_speed.py showed at
 #        batch 1, 0.05 ms a round on an H100);
