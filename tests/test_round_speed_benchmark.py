@@ -143,3 +143,19 @@ def test_benchmark_scratch_folders_are_removed_when_the_process_exits():
     printed = subprocess.run([sys.executable, "-c", code, str(round_speed.REPO / "benchmarks")], check=True,
                              capture_output=True, text=True).stdout.strip()
     assert printed and not Path(printed).exists()
+
+
+def test_fast_path_setup_times_the_set_up_both_ways(smoke, monkeypatch):
+    """benchmarks/fast_path_setup.py: in `walk` blocks `fuse_projections` finds no record of its last call (so it
+    walks the models), in `record` blocks it does."""
+    fast_path_setup = pytest.importorskip("fast_path_setup")
+    fusion = fast_path_setup.fused_projections
+    target, drafter, prompt = smoke
+    found, fuse = [], fusion.fuse_projections
+    monkeypatch.setattr(fusion, "fuse_projections", lambda model: found.append(model in fusion._fused_groups)
+                        or fuse(model))
+    times = fast_path_setup.measure(target, drafter, prompt.shape[1], calls=3, repeats=2)
+    assert {"record", "walk", "capture_key", "share_target_weights"} <= set(times)
+    assert all(value > 0 for value in times.values())
+    # per block: 3 calls x 2 models; the parts' own fuse_projections calls (3 per model and block) find a record
+    assert found.count(False) >= 2 * 3 * 2 and found.count(True) >= 2 * 3 * 2 * 2
