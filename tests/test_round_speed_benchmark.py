@@ -101,7 +101,9 @@ def test_fixture_assistant_and_batched_prompts_match_plain_decoding():
 
 
 def test_summary_compares_with_the_fastest_plain_method_and_the_floor():
-    rows = lambda **tps: {name: dict(tokens_per_second=v, ms_per_token=1e3 / v) for name, v in tps.items()}
+    def rows(**tps):
+        return {name: dict(tokens_per_second=v, ms_per_token=1e3 / v) for name, v in tps.items()}
+
     fixture = rows(plain_eager=100.0, plain_static_compile=400.0, plain_static_compiled=500.0,
                    dspark_static_compiled=1000.0)
     fixture["dspark_static_compiled"].update(tau=4.0)
