@@ -170,14 +170,14 @@ def profile_static_round(
 ) -> StaticRoundProfile:
     """Milliseconds per greedy DSpark round of `static_generate`'s fast path, per stage (`ROUND_STAGES`).
 
-    Decodes after `input_ids` [1, L] as `static_generate` does (after a prompt of at most γ + 1 tokens the first
-    round runs eagerly), then: one eager split round, then `warmup` + `rounds` split rounds (the last `rounds` timed
-    with CUDA events, or the wall clock on the CPU) and, on CUDA, `rounds` more under torch.profiler; then the same
-    with the fused round. eos does not stop it. `compile`, `attention` and `fuse_projections` as in `static_generate`
-    (pass the same values to profile what it runs). Event times include the GPU's waits for the host where the host
-    launches more slowly than the GPU runs (small models); `StaticRoundProfile.gpu` has the kernel time alone. The
-    split round's stages run back to back; its sum exceeds the fused round by the launch gaps between the stages'
-    graphs and the fusion across stage boundaries that the split prevents."""
+    Decodes after `input_ids` [1, L] as `static_generate` does (after a short prompt the first round runs eagerly:
+    `static_loop.PromptState`), then: one eager split round, then `warmup` + `rounds` split rounds (the last `rounds`
+    timed with CUDA events, or the wall clock on the CPU) and, on CUDA, `rounds` more under torch.profiler; then the
+    same with the fused round. eos does not stop it. `compile`, `attention` and `fuse_projections` as in
+    `static_generate` (pass the same values to profile what it runs). Event times include the GPU's waits for the host
+    where the host launches more slowly than the GPU runs (small models); `StaticRoundProfile.gpu` has the kernel time
+    alone. The split round's stages run back to back; its sum exceeds the fused round by the launch gaps between the
+    stages' graphs and the fusion across stage boundaries that the split prevents."""
     if drafter is None:
         raise ValueError("profile_static_round() profiles DSpark rounds and needs a drafter; a plain step is one "
                          "target forward (time static_generate(target, None, ...) for it).")
