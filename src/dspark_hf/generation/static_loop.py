@@ -121,9 +121,10 @@ class StaticVerifier:
 
     def forward(self, ids: torch.LongTensor, positions: torch.LongTensor,
                 logits_to_keep: int | torch.Tensor = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`logits_to_keep` as transformers' causal LMs take it: the last n rows (0: all) or a tensor of row indices."""
-        out = self.target(input_ids=ids, position_ids=positions, past_key_values=self.cache, use_cache=True,
-                          logits_to_keep=logits_to_keep)
+        """`logits_to_keep` as transformers' causal LMs take it: the last n rows (0: all) or a tensor of row indices
+        (passed only when not 0, so a target without the argument still runs every other forward)."""
+        keep = {} if isinstance(logits_to_keep, int) and logits_to_keep == 0 else dict(logits_to_keep=logits_to_keep)
+        out = self.target(input_ids=ids, position_ids=positions, past_key_values=self.cache, use_cache=True, **keep)
         return out.logits.float(), self.tap.features() if self.tap is not None else None
 
     def prefill(self, ids: torch.LongTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
