@@ -66,7 +66,7 @@ from .target_features import check_drafter_fits_target
 R = TypeVar("R")
 
 PREFILL_CHUNK = 64  # prompt tokens per compiled prefill forward
-MAX_PREFILL_CHUNKS = 8  # a longer prompt prefills in one eager forward, where launches weigh less than its compute
+MAX_PREFILL_CHUNKS = 8  # a longer prompt prefills in one eager forward (assumed: its compute outweighs its launches)
 
 
 class PromptState(NamedTuple):
