@@ -160,14 +160,9 @@ def fuse_projections(model: nn.Module) -> int:
 
 
 def watching(model: nn.Module) -> bool:
-    """Whether, with fusion active, a fused group of `model` has yet to watch its first forward (which must run
-    eagerly: not traced)."""
-    if not _active:
-        return False
-    recorded = _fused_groups.get(model)
-    groups = ([group for _, _, group in recorded] if recorded is not None
-              else [module.fusion for module in model.modules() if isinstance(module, FusedLinear)])
-    return any(group.runs is None for group in groups)
+    """Whether, with fusion active, a group that `fuse_projections(model)` left has yet to watch its first forward
+    (which must run eagerly: not traced)."""
+    return _active and any(group.runs is None for _, _, group in _fused_groups.get(model, ()))
 
 
 def _release(member: FusedLinear) -> None:

@@ -243,10 +243,10 @@ class StaticRound:
         padded = torch.nn.functional.pad(ids, (0, max(0, PREFILL_CHUNK - length)))
         starts = list(range(0, length - PREFILL_CHUNK, PREFILL_CHUNK)) + [max(0, length - PREFILL_CHUNK)]
         self.chunk_last.fill_(min(length, PREFILL_CHUNK) - 1)
-        first_eager = not self.verifier.cache.layers[0].is_initialized or any(
-            fused_projections.watching(model) for model in (self.target, self.drafter) if model is not None)
-        if self.drafter_cache is not None:
-            first_eager |= not self.drafter_cache.layers[0].is_initialized
+        caches = [cache for cache in (self.verifier.cache, self.drafter_cache) if cache is not None]
+        first_eager = (any(not cache.layers[0].is_initialized for cache in caches)
+                       or any(fused_projections.watching(model) for model in (self.target, self.drafter)
+                              if model is not None))
         chunk = self.prefill_chunk
         with self.verifier.tapping():
             for index, start in enumerate(starts):
