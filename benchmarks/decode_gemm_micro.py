@@ -1,12 +1,14 @@
 """Decode-shaped GEMMs on one GPU (diagnostic, standalone: the library does not use this file's kernel).
 
-For the Qwen3-4B shape's projections (q, k/v, o, gate, down, and the fused q/k/v and gate/up), with 1 and 8 rows:
+For the Qwen3-4B (or 8B, or 50M fixture) shape's projections (q, k (or v), o, gate, down, and the fused k/v, q/k/v
+and gate/up; the 2026-12-01 file's "kv" is today's "k"), with 1, 8 and 16 rows:
 cuBLAS `F.linear`, cuBLAS on the transposed product, and a small-M Triton kernel swept over tile sizes and split-K
 (the best configuration kept), each timed inside one CUDA graph over enough weight copies to exceed the L2 cache,
 so every call reads its weight from memory. `floor_us` is the weight's bytes over the measured copy bandwidth.
 Set INDUCTOR=1 to add `torch.compile(mode="max-autotune-no-cudagraphs")` (slow; not in the committed run).
 
     python benchmarks/decode_gemm_micro.py 4b     # writes $OUT/gemv_4b.json (or ./gemv_4b.json)
+    python benchmarks/decode_gemm_micro.py code50m qkv,gate_up,o,down   # a subset of the shapes
 
 The committed result (benchmarks/results/decode_gemm_4b_h200.json) motivated `generation/fused_projections.py`:
 q, k and v as one GEMM cost about half of three, while the Triton kernel did not beat cuBLAS on the shapes that
@@ -82,18 +84,27 @@ for _ in range(5): y.copy_(x)
 torch.cuda.synchronize(); bw = 2 * x.numel() * 5 / (time.perf_counter() - t); del x, y
 out["copy_GBps"] = bw / 1e9; print("copy GB/s", bw / 1e9, flush=True)
 
-CFGS = [(bn, bk, sk, w, st) for bn, bk in ((16, 256), (16, 512), (32, 128), (32, 256), (64, 128), (64, 256))
-        for sk in (1, 2, 4) for w in (4,) for st in (3, 4)]
 which = sys.argv[1] if len(sys.argv) > 1 else "4b"
-H, I = {"4b": (2560, 9728), "8b": (4096, 12288)}[which]
-shapes = {"q": (4096, H), "kv": (1024, H), "o": (H, 4096), "gate": (I, H), "down": (H, I), "qkv": (6144, H),
+H, I, Q, KV = {"4b": (2560, 9728, 4096, 1024), "8b": (4096, 12288, 4096, 1024), "code50m": (512, 1536, 512, 256)}[which]
+shapes = {"q": (Q, H), "k": (KV, H), "kv": (2 * KV, H), "o": (H, Q), "gate": (I, H), "down": (H, I), "qkv": (Q + 2 * KV, H),
           "gate_up": (2 * I, H)}
+if len(sys.argv) > 2:  # a subset of the shapes, comma-separated
+    shapes = {key: shapes[key] for key in sys.argv[2].split(",")}
+TILES = ((16, 256), (16, 512), (32, 128), (32, 256), (64, 128), (64, 256))
+if which == "code50m":  # small weights: smaller tiles, more programs
+    TILES = ((16, 64), (16, 128), (32, 64), (32, 128), (64, 64), (64, 128))
+CFGS = [(bn, bk, sk, w, st) for bn, bk in TILES for sk in (1, 2, 4) for w in (4,) for st in (3, 4)]
+ROWS = (1, 8, 16)
+try:  # PYTHONPATH=src: time the library's kernel too
+    from dspark_hf.generation.skinny_linear import skinny_linear as library_linear, tiles as library_tiles
+except ImportError:
+    library_linear = None
 compiled = torch.compile(lambda a, b: F.linear(a, b), mode="max-autotune-no-cudagraphs", dynamic=False)
 for key, (n, k) in shapes.items():
     nbytes = n * k * 2
     copies = max(2, -(-400_000_000 // nbytes))
     ws = [torch.randn(n, k, device=dev, dtype=dt) / 50 for _ in range(copies)]
-    for m in (1, 8):
+    for m in ROWS:
         xx = torch.randn(m, k, device=dev, dtype=dt)
         ref = F.linear(xx, ws[0]).float()
         floor = nbytes / bw * 1e6
@@ -105,6 +116,10 @@ for key, (n, k) in shapes.items():
             row["inductor_max_autotune"] = graph_time([lambda w=w: compiled(xx, w) for w in ws])
           except Exception as e:
             row["inductor_error"] = repr(e)[:300]
+        if library_linear is not None and m <= 16:  # the library's kernel with its own tiles
+            row["library_tiles"] = list(library_tiles(n, k))
+            row["library"] = graph_time([lambda w=w: library_linear(xx, w) for w in ws])
+            row["library_error"] = ((library_linear(xx, ws[0]).float() - ref).abs().max() / ref.abs().max()).item()
         best = None
         for cfg in CFGS:
             try:
@@ -120,6 +135,7 @@ for key, (n, k) in shapes.items():
         row["triton_best"] = best
         out[f"{which}/m{m}/{key}"] = row
         print(which, m, key, f"floor {floor:.1f} cublas {row['cublas']:.1f} wxT {row['cublas_wxT']:.1f} "
-              f"inductor {row.get('inductor_max_autotune', float('nan')):.1f} triton {best}", flush=True)
+              f"inductor {row.get('inductor_max_autotune', float('nan')):.1f} library {row.get('library', float('nan')):.1f} "
+              f"triton {best}", flush=True)
     del ws
 json.dump(out, open(os.path.join(OUT, f"gemv_{which}.json"), "w"), indent=1)

@@ -286,6 +286,41 @@ def test_static_generate_on_cuda_replays_one_graph_and_equals_plain_generate(wit
 
 
 @cuda
+def test_the_few_rows_gemm_on_cuda_rounds_as_float32_products_and_keeps_bf16_tokens(direct, monkeypatch):
+    """`skinny_linear`'s kernel compiled for the GPU: products of 1-16 rows round as float32 sums do (to one unit in
+    the last place); a bf16 target's compiled rounds run it and give the tokens of eager rounds on cuBLAS."""
+    from dspark_hf.generation import skinny_linear as skinny
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    for rows, columns, depth in ((1, 6144, 2560), (8, 19456, 2560), (16, 1024, 512), (5, 300, 130)):
+        x = torch.randn(rows, depth, device="cuda", generator=generator).bfloat16()
+        weight = (torch.randn(columns, depth, device="cuda", generator=generator) / depth ** 0.5).bfloat16()
+        expected = (x.float() @ weight.float().T).bfloat16()
+        got = skinny.linear(x, weight)
+        ulp = torch.finfo(torch.bfloat16).eps * expected.float().abs().clamp_min(1e-30)
+        assert ((got.float() - expected.float()).abs() <= ulp * 1.01).all()
+        assert (got != expected).float().mean().item() <= 0.01
+    target = make_bigram_like(tiny_target("qwen3", vocab_size=VOCAB_SIZE, eos_token_id=EOS))
+    drafter = drafters(target)["good"].cuda().bfloat16()
+    target.cuda().bfloat16()
+    ids = torch.tensor([list(range(4, 16))], device="cuda")
+    monkeypatch.setenv(skinny.SWITCH_VARIABLE, "0")
+    expected = static_generate(target, drafter, ids, 30, compile=False)
+    monkeypatch.delenv(skinny.SWITCH_VARIABLE)
+    kernel, launches = skinny._skinny_linear, []
+
+    class Counting:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(skinny, "_skinny_linear", Counting())
+    torch._dynamo.reset()
+    assert torch.equal(static_generate(target, drafter, ids, 30, compile=True), expected)
+    assert launches and StaticRound._kept[drafter].compiled.captured
+
+
+@cuda
 @pytest.mark.parametrize("with_drafter", [True, False], ids=["dspark", "plain"])
 def test_sampling_on_cuda_draws_the_same_tokens_replayed_and_eager(with_drafter, direct):
     """Sampled rounds take their noise and settings as arguments: copied into the capture's inputs each round."""

@@ -1,0 +1,120 @@
+"""The few-rows GEMM of the fused projections (`generation/skinny_linear.py`) under TRITON_INTERPRET=1 (CPU): its
+outputs equal float32 products rounded once to the dtype (rows 1-16, widths and depths that do not fill a tile,
+bias, fp16, 3-D and strided inputs); where it does not apply (float32, more rows, the switch off) `linear` is
+`F.linear`; a 16-bit model's fused groups run it eagerly and as one operator in a compiled graph. Skipped without
+triton."""
+
+from __future__ import annotations
+
+# first: switches the interpreter on
+from triton_interpreter import CountingKernel, child_only, interp, run_in_child_process
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from tiny_models import tiny_target  # noqa: E402
+
+from dspark_hf.generation import skinny_linear as skinny  # noqa: E402
+from dspark_hf.generation.fused_projections import fuse_projections, projection_fusion  # noqa: E402
+
+
+@child_only
+def test_in_child_process():
+    run_in_child_process(__file__, timeout=600)
+
+
+def reference(x, weight, bias=None):
+    """The product in float32, rounded once to the inputs' dtype."""
+    out = x.float() @ weight.float().T
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
+def rounding_agrees(got, expected):
+    """Equal, but for one unit in the last place where float32 sums taken in another order round the other way
+    (at most 1 % of the entries)."""
+    step = torch.finfo(got.dtype).eps * expected.float().abs().clamp_min(torch.finfo(got.dtype).tiny)
+    close = (got.float() - expected.float()).abs() <= step * 1.01
+    return bool(close.all()) and (got != expected).float().mean().item() <= 0.01
+
+
+@interp
+@pytest.mark.parametrize("rows,columns,depth,with_bias,dtype", [
+    (1, 100, 70, False, torch.bfloat16),  # depth below one tile, columns past a tile
+    (5, 300, 130, True, torch.bfloat16),
+    (16, 64, 1030, False, torch.bfloat16),  # a full row tile; depth past the wide tiles, not a multiple
+    (8, 9000, 64, True, torch.bfloat16),  # wide: the 32-column tiles
+    (3, 200, 96, True, torch.float16),
+])
+def test_the_kernel_equals_float32_products_rounded_once(rows, columns, depth, with_bias, dtype):
+    generator = torch.Generator().manual_seed(rows + columns)
+    x = torch.randn(rows, depth, generator=generator).to(dtype)
+    weight = (torch.randn(columns, depth, generator=generator) / depth ** 0.5).to(dtype)
+    bias = torch.randn(columns, generator=generator).to(dtype) if with_bias else None
+    assert skinny.skinny_linear_applies(x, weight)
+    got = skinny.linear(x, weight, bias)
+    assert got.dtype == dtype and got.shape == (rows, columns)
+    assert rounding_agrees(got, reference(x, weight, bias))
+
+
+@interp
+def test_batched_and_strided_inputs_and_weight_slices():
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 2 * 80, generator=generator).bfloat16()[..., ::2]  # 6 rows, column stride 2
+    fused = torch.randn(150, 80, generator=generator).bfloat16()
+    weight = fused[50:120]  # rows of a fused weight, as a group's run reads them
+    got = skinny.linear(x, weight)
+    assert got.shape == (2, 3, 70)
+    assert rounding_agrees(got, reference(x, weight))
+
+
+@interp
+def test_where_it_does_not_apply_linear_is_f_linear(monkeypatch):
+    launches = []
+    monkeypatch.setattr(skinny, "_skinny_linear", CountingKernel(skinny._skinny_linear, launches))
+    weight = torch.randn(40, 32).bfloat16()
+    cases = [torch.randn(1, 32), torch.randn(skinny.MAX_ROWS + 1, 32).bfloat16()]  # float32; too many rows
+    for x in cases:
+        w = weight.to(x.dtype)
+        assert not skinny.skinny_linear_applies(x, w)
+        assert torch.equal(skinny.linear(x, w), F.linear(x, w))
+    x = torch.randn(4, 32).bfloat16()
+    monkeypatch.setenv(skinny.SWITCH_VARIABLE, "0")
+    assert not skinny.skinny_linear_applies(x, weight)
+    assert torch.equal(skinny.linear(x, weight), F.linear(x, weight)) and not launches
+    monkeypatch.delenv(skinny.SWITCH_VARIABLE)
+    skinny.linear(x, weight)
+    assert len(launches) == 1
+
+
+@interp
+def test_a_16_bit_models_fused_groups_run_the_kernel(monkeypatch):
+    """Eager and traced (fullgraph): the groups' GEMMs are the kernel's launches, one operator in the graph, and
+    the logits those of the unfused model to bf16 rounding."""
+    launches = []
+    monkeypatch.setattr(skinny, "_skinny_linear", CountingKernel(skinny._skinny_linear, launches))
+    model = tiny_target("qwen3", vocab_size=48).bfloat16()
+    ids = torch.tensor([[5, 9, 11, 4, 30, 8, 17]])
+    with torch.no_grad():
+        expected = model(ids).logits.float()
+        assert fuse_projections(model) == 2 * model.config.num_hidden_layers
+        with projection_fusion():
+            model(ids)  # the groups' first forward watches
+            launches.clear()
+            fused = model(ids).logits.float()
+    assert len(launches) == 2 * model.config.num_hidden_layers  # q/k/v and gate/up, each one launch per layer
+    assert (fused - expected).abs().max() <= 0.05 * expected.abs().max()
+    graphs = []
+
+    def backend(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda inputs: model(inputs).logits, backend=backend, fullgraph=True, dynamic=False)
+    with torch.no_grad(), projection_fusion():
+        traced = compiled(ids).float()
+    called = [str(node.target) for node in graphs[0].graph.nodes if node.op == "call_function"]
+    assert sum("dspark_hf.skinny_linear" in name for name in called) == 2 * model.config.num_hidden_layers
+    assert torch.equal(traced, fused)
