@@ -522,7 +522,14 @@ def main() -> None:
     parser.add_argument("--eager-prefill", action="store_true",
                         help="static_generate prefills in one eager forward even when compiled (the default runs "
                              "prompts of up to 8 × 64 tokens as graphed 64-token chunks): the before of that change")
+    parser.add_argument("--inductor", nargs="*", default=[], metavar="NAME=VALUE",
+                        help="torch._inductor.config settings for this run, e.g. combo_kernels=1 (an experiment)")
     args = parser.parse_args()
+    for setting in args.inductor:
+        import torch._inductor.config as inductor_config
+
+        name, value = setting.split("=", 1)
+        setattr(inductor_config, name, type(getattr(inductor_config, name))(int(value)))
     if args.eager_prefill:
         static_loop.MAX_PREFILL_CHUNKS = 0
     if args.threads or args.model == "smoke":
@@ -538,6 +545,7 @@ def main() -> None:
                   gamma=drafter.config.num_draft_slots, **weight_read_floor(target),
                   static_prefill="eager" if args.eager_prefill else
                   f"chunks of {static_loop.PREFILL_CHUNK} up to {static_loop.MAX_PREFILL_CHUNKS} (compiled)",
+                  inductor_settings=args.inductor,
                   acceptance="real" if args.model == "code50m" else "random weights: timing only (tau ~ 1)")
     entry = {}
     for batch in args.batch:
