@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 import dspark_hf  # noqa: F401
 from dspark_hf.generation import static_generate
 from dspark_hf.generation.fused_projections import (
+    FewRowsLinear,
     FusedLinear,
     fuse_projections,
     projection_fusion,
@@ -46,13 +47,15 @@ def test_fused_target_computes_the_same_and_keeps_its_state_dict(family):
         assert isinstance(q, nn.Linear) and q.fusion is k.fusion is v.fusion
         assert k.weight.data_ptr() == q.weight.data_ptr() + q.weight.numel() * q.weight.element_size()
         assert layer.mlp.gate_proj.fusion is layer.mlp.up_proj.fusion
+        # the projections that read alone keep their weights, their class runs the few-rows kernel in the context
+        assert type(layer.self_attn.o_proj) is FewRowsLinear and type(layer.mlp.down_proj) is FewRowsLinear
     assert torch.allclose(logits(model), expected, atol=1e-6, rtol=1e-5)  # outside the context: own F.linear
     with projection_fusion():
         fused = logits(model)
     assert all(g.runs == {slot: (0, len(g.members) - 1) for slot in range(len(g.members))} for g in groups(model))
     assert torch.allclose(fused, expected, atol=1e-6, rtol=1e-5)
     unfuse_projections(model)
-    assert not any(isinstance(m, FusedLinear) for m in model.modules())
+    assert not any(isinstance(m, (FusedLinear, FewRowsLinear)) for m in model.modules())
     layer = model.model.layers[0].self_attn
     assert layer.k_proj.weight.untyped_storage().data_ptr() != layer.q_proj.weight.untyped_storage().data_ptr()
     assert torch.allclose(logits(model), expected, atol=1e-6, rtol=1e-5)
@@ -124,9 +127,13 @@ def test_a_call_with_the_groups_in_place_does_not_walk_the_model(monkeypatch):
                                  dtype=torch.float64)
     fuse_projections(model)
     assert len(walks) == 2 and fuse_projections(model) == 0 and len(walks) == 2
+    attention.o_proj = nn.Linear(attention.o_proj.in_features, attention.o_proj.out_features, bias=False,
+                                 dtype=torch.float64)  # a replaced single projection is noticed too
+    fuse_projections(model)
+    assert len(walks) == 3 and type(attention.o_proj) is FewRowsLinear
     unfuse_projections(model)
     unfused = logits(model)
-    assert fuse_projections(model) == 2 * layers and len(walks) == 4  # (unfusing walks too)
+    assert fuse_projections(model) == 2 * layers and len(walks) == 5  # (unfusing walks too)
     with projection_fusion():
         assert torch.allclose(logits(model), unfused, atol=1e-12)
 

@@ -1,7 +1,8 @@
 """The few-rows GEMM of the fused projections (`generation/skinny_linear.py`) under TRITON_INTERPRET=1 (CPU): its
 outputs equal float32 products rounded once to the dtype (rows 1-16, widths and depths that do not fill a tile,
 bias, fp16, 3-D and strided inputs); where it does not apply (float32, more rows, the switch off) `linear` is
-`F.linear`; a 16-bit model's fused groups run it eagerly and as one operator in a compiled graph. Skipped without
+`F.linear`; a 16-bit model's fused groups and single projections run it eagerly and as one operator in a compiled
+graph. Skipped without
 triton."""
 
 from __future__ import annotations
@@ -89,8 +90,8 @@ def test_where_it_does_not_apply_linear_is_f_linear(monkeypatch):
 
 
 @interp
-def test_a_16_bit_models_fused_groups_run_the_kernel(monkeypatch):
-    """Eager and traced (fullgraph): the groups' GEMMs are the kernel's launches, one operator in the graph, and
+def test_a_16_bit_models_projections_run_the_kernel(monkeypatch):
+    """Eager and traced (fullgraph): the projections' GEMMs are the kernel's launches, one operator in the graph, and
     the logits those of the unfused model to bf16 rounding."""
     launches = []
     monkeypatch.setattr(skinny, "_skinny_linear", CountingKernel(skinny._skinny_linear, launches))
@@ -103,7 +104,8 @@ def test_a_16_bit_models_fused_groups_run_the_kernel(monkeypatch):
             model(ids)  # the groups' first forward watches
             launches.clear()
             fused = model(ids).logits.float()
-    assert len(launches) == 2 * model.config.num_hidden_layers  # q/k/v and gate/up, each one launch per layer
+    # q/k/v, o, gate/up and down: one launch each per layer (the LM head, not a projection, stays on F.linear)
+    assert len(launches) == 4 * model.config.num_hidden_layers
     assert (fused - expected).abs().max() <= 0.05 * expected.abs().max()
     graphs = []
 
@@ -116,5 +118,5 @@ def test_a_16_bit_models_fused_groups_run_the_kernel(monkeypatch):
     with torch.no_grad(), projection_fusion():
         traced = compiled(ids).float()
     called = [str(node.target) for node in graphs[0].graph.nodes if node.op == "call_function"]
-    assert sum("dspark_hf.skinny_linear" in name for name in called) == 2 * model.config.num_hidden_layers
+    assert sum("dspark_hf.skinny_linear" in name for name in called) == 4 * model.config.num_hidden_layers
     assert torch.equal(traced, fused)

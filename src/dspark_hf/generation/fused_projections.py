@@ -13,7 +13,9 @@ class becomes `FusedLinear`, which still is an `nn.Linear`. Outside `projection_
 forward to learn which members read the same tensor (a DSpark drafter's q reads the block, its k and v read context
 + block), then computes each run of adjacent members sharing an input as one `F.linear` and hands every member its
 slice. The model's attention and MLP code is untouched; the projections return the same outputs from fewer GEMMs.
-On CUDA, a 16-bit group's GEMM over at most 16 rows runs `skinny_linear`'s Triton kernel instead of cuBLAS.
+The projections that read alone (`o_proj`, `down_proj`) keep their weights and become `FewRowsLinear`s. Inside the
+context, on CUDA, every such GEMM over at most 16 rows of 16-bit values, a group's or a single one's, runs
+`skinny_linear`'s Triton kernel instead of cuBLAS.
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ from torch import nn
 
 from .skinny_linear import linear
 
-__all__ = ["FusedLinear", "fuse_projections", "projection_fusion", "unfuse_projections"]
+__all__ = ["FewRowsLinear", "FusedLinear", "fuse_projections", "projection_fusion", "unfuse_projections"]
 
 PROJECTION_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+SINGLE_PROJECTIONS = ("o_proj", "down_proj")  # read alone: kept as they are, the few-rows kernel inside the context
 _active = False  # set by projection_fusion(); read (and guarded on) by compiled code
 
 
@@ -113,6 +116,16 @@ class FusedLinear(nn.Linear):
         return F.linear(inputs, self.weight, self.bias)
 
 
+class FewRowsLinear(nn.Linear):
+    """An `nn.Linear` that, inside `projection_fusion()`, runs `skinny_linear.linear` (the few-rows kernel where it
+    applies); its weight is its own."""
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        if _active:
+            return linear(inputs, self.weight, self.bias)
+        return F.linear(inputs, self.weight, self.bias)
+
+
 def _fusable(members: list[nn.Module], shared: set[int]) -> bool:
     """Plain, hook-free linears with one input size, dtype and device, all with or all without bias, none of whose
     parameters is also another module's (`shared`: ids of parameters registered more than once; fusing would
@@ -125,7 +138,8 @@ def _fusable(members: list[nn.Module], shared: set[int]) -> bool:
                and not {id(p) for p in m.parameters()} & shared for m in members)
 
 
-# model -> its groups as `fuse_projections` last left them: (parent module, member names, group)
+# model -> its groups as `fuse_projections` last left them: (parent module, member names, group; None for a single
+# projection made a FewRowsLinear)
 _fused_groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -136,13 +150,20 @@ def fuse_projections(model: nn.Module) -> int:
     groups of the last call are all in place and intact, it returns 0 at once, without walking the model (the walk
     was most of the fast path's host set-up per call: benchmarks/fast_path_setup.py)."""
     recorded = _fused_groups.get(model)
-    if recorded is not None and all(group.members == [getattr(module, name, None) for name in names]
-                                    and group.intact() for module, names, group in recorded):
+    if recorded is not None and all(
+            group.members == [getattr(module, name, None) for name in names] and group.intact()
+            if group is not None else isinstance(getattr(module, names[0], None), FewRowsLinear)
+            for module, names, group in recorded):
         return 0
     fused, seen, shared, record = 0, set(), set(), []
     for _, parameter in model.named_parameters(remove_duplicate=False):
         (shared if id(parameter) in seen else seen).add(id(parameter))
     for module in model.modules():
+        for name in SINGLE_PROJECTIONS:
+            member = getattr(module, name, None)
+            if isinstance(member, FewRowsLinear) or (isinstance(member, nn.Module) and _fusable([member], shared)):
+                member.__class__ = FewRowsLinear
+                record.append((module, [name], None))
         for names in PROJECTION_GROUPS:
             present = [name for name in names if isinstance(getattr(module, name, None), nn.Module)]
             members = [getattr(module, name) for name in present]
@@ -165,7 +186,7 @@ def fuse_projections(model: nn.Module) -> int:
 def watching(model: nn.Module) -> bool:
     """Whether, with fusion active, a group that `fuse_projections(model)` left has yet to watch its first forward
     (which must run eagerly: not traced)."""
-    return _active and any(group.runs is None for _, _, group in _fused_groups.get(model, ()))
+    return _active and any(group is not None and group.runs is None for _, _, group in _fused_groups.get(model, ()))
 
 
 def _release(member: FusedLinear) -> None:
@@ -178,7 +199,9 @@ def unfuse_projections(model: nn.Module) -> None:
     """Gives every fused member of `model` its own weight again and makes it a plain `nn.Linear`."""
     _fused_groups.pop(model, None)
     for module in model.modules():
-        if isinstance(module, FusedLinear):
+        if isinstance(module, FewRowsLinear):
+            module.__class__ = nn.Linear
+        elif isinstance(module, FusedLinear):
             with torch.no_grad():
                 module.weight = nn.Parameter(module.weight.clone(), requires_grad=module.weight.requires_grad)
                 if module.bias is not None:
