@@ -34,7 +34,7 @@ def environment() -> dict:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "cuda_graphs": os.environ.get("DSPARK_CUDA_GRAPHS", "direct"),  # dspark_hf.generation.cuda_graphs
         "fused_markov": os.environ.get("DSPARK_FUSED_MARKOV", "1"),  # dspark_hf.generation.fused_markov
-        "skinny_linear": os.environ.get("DSPARK_SKINNY_LINEAR", "1"),  # dspark_hf.generation.skinny_linear
+        "skinny_linear": os.environ.get("DSPARK_SKINNY_LINEAR", "unset (off)"),  # dspark_hf.generation.skinny_linear
     }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)

@@ -291,6 +291,7 @@ def test_the_few_rows_gemm_on_cuda_rounds_as_float32_products_and_keeps_bf16_tok
     the last place); a bf16 target's compiled rounds run it and give the tokens of eager rounds on cuBLAS."""
     from dspark_hf.generation import skinny_linear as skinny
 
+    monkeypatch.setenv(skinny.SWITCH_VARIABLE, "1")
     generator = torch.Generator(device="cuda").manual_seed(0)
     for rows, columns, depth in ((1, 6144, 2560), (8, 19456, 2560), (16, 1024, 512), (5, 300, 130)):
         x = torch.randn(rows, depth, device="cuda", generator=generator).bfloat16()
@@ -306,7 +307,7 @@ def test_the_few_rows_gemm_on_cuda_rounds_as_float32_products_and_keeps_bf16_tok
     ids = torch.tensor([list(range(4, 16))], device="cuda")
     monkeypatch.setenv(skinny.SWITCH_VARIABLE, "0")
     expected = static_generate(target, drafter, ids, 30, compile=False)
-    monkeypatch.delenv(skinny.SWITCH_VARIABLE)
+    monkeypatch.setenv(skinny.SWITCH_VARIABLE, "1")
     kernel, launches = skinny._skinny_linear, []
 
     class Counting:

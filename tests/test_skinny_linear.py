@@ -1,7 +1,7 @@
 """The few-rows GEMM of the fused projections (`generation/skinny_linear.py`) under TRITON_INTERPRET=1 (CPU): its
 outputs equal float32 products rounded once to the dtype (rows 1-16, widths and depths that do not fill a tile,
 bias, fp16, 3-D and strided inputs); where it does not apply (float32, more rows, the switch off) `linear` is
-`F.linear`; a 16-bit model's fused groups and single projections run it eagerly and as one operator in a compiled
+`F.linear` (also by default: the kernel is opt-in); a 16-bit model's fused groups and single projections run it eagerly and as one operator in a compiled
 graph. Skipped without
 triton."""
 
@@ -17,6 +17,11 @@ from tiny_models import tiny_target  # noqa: E402
 
 from dspark_hf.generation import skinny_linear as skinny  # noqa: E402
 from dspark_hf.generation.fused_projections import fuse_projections, projection_fusion  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def kernel_on(monkeypatch):
+    monkeypatch.setenv(skinny.SWITCH_VARIABLE, "1")  # (off by default)
 
 
 @child_only
@@ -81,10 +86,12 @@ def test_where_it_does_not_apply_linear_is_f_linear(monkeypatch):
         assert not skinny.skinny_linear_applies(x, w)
         assert torch.equal(skinny.linear(x, w), F.linear(x, w))
     x = torch.randn(4, 32).bfloat16()
+    monkeypatch.delenv(skinny.SWITCH_VARIABLE)
+    assert not skinny.skinny_linear_applies(x, weight)  # off by default
     monkeypatch.setenv(skinny.SWITCH_VARIABLE, "0")
     assert not skinny.skinny_linear_applies(x, weight)
     assert torch.equal(skinny.linear(x, weight), F.linear(x, weight)) and not launches
-    monkeypatch.delenv(skinny.SWITCH_VARIABLE)
+    monkeypatch.setenv(skinny.SWITCH_VARIABLE, "1")
     skinny.linear(x, weight)
     assert len(launches) == 1
 

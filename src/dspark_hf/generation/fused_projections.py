@@ -14,8 +14,8 @@ forward to learn which members read the same tensor (a DSpark drafter's q reads 
 + block), then computes each run of adjacent members sharing an input as one `F.linear` and hands every member its
 slice. The model's attention and MLP code is untouched; the projections return the same outputs from fewer GEMMs.
 The projections that read alone (`o_proj`, `down_proj`) keep their weights and become `FewRowsLinear`s. Inside the
-context, on CUDA, every such GEMM over at most 16 rows of 16-bit values, a group's or a single one's, runs
-`skinny_linear`'s Triton kernel instead of cuBLAS.
+context, on CUDA with `DSPARK_SKINNY_LINEAR=1`, every such GEMM over at most 16 rows of 16-bit values, a group's
+or a single one's, runs `skinny_linear`'s Triton kernel instead of cuBLAS.
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ evicting it first from the cache; every row of the input is multiplied with the 
 accumulate in float32 and round once to the output's dtype, as cuBLAS rounds them; the order of the sums differs,
 so results agree to the dtype's rounding, not bit for bit.
 
-Used by `fused_projections.ProjectionGroup` for 16-bit weights on CUDA with at most `MAX_ROWS` rows (a wider batch
-keeps cuBLAS); `DSPARK_SKINNY_LINEAR=0` in the environment turns it off (read when a forward is traced).
+Used inside `fused_projections.projection_fusion()` (the fast path) by the fused groups and the single projections
+for 16-bit weights on CUDA with at most `MAX_ROWS` rows (a wider batch keeps cuBLAS), when `DSPARK_SKINNY_LINEAR=1`
+is in the environment (read when a forward is traced); off by default.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ except ImportError:  # optional: without Triton the fused groups call F.linear
 __all__ = ["MAX_ROWS", "linear", "skinny_linear_applies"]
 
 MAX_ROWS = 16  # one dot tile of rows
-SWITCH_VARIABLE = "DSPARK_SKINNY_LINEAR"  # "0": cuBLAS for every row count (to compare)
+SWITCH_VARIABLE = "DSPARK_SKINNY_LINEAR"  # "1": the kernel where it applies; "0": cuBLAS for every row count
+DEFAULT = "0"  # off until a GPU run shows it pays (the kernel is timed against cuBLAS on the GPU machine)
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -102,7 +104,7 @@ def _(x, weight, bias=None):
 def skinny_linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear` runs the kernel: 16-bit weights and input on a Triton device, at most MAX_ROWS rows, and
     the switch not off."""
-    return (triton is not None and os.environ.get(SWITCH_VARIABLE, "1") != "0"
+    return (triton is not None and os.environ.get(SWITCH_VARIABLE, DEFAULT) == "1"
             and weight.dtype in (torch.float16, torch.bfloat16) and x.dtype == weight.dtype
             and x.numel() <= MAX_ROWS * x.shape[-1] and weight.stride(1) == 1 and x.device == weight.device
             and triton_available(x.device))
