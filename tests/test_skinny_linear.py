@@ -1,9 +1,8 @@
-"""The few-rows GEMM of the fused projections (`generation/skinny_linear.py`) under TRITON_INTERPRET=1 (CPU): its
-outputs equal float32 products rounded once to the dtype (rows 1-16, widths and depths that do not fill a tile,
-bias, fp16, 3-D and strided inputs); where it does not apply (float32, more rows, the switch off) `linear` is
-`F.linear` (also by default: the kernel is opt-in); a 16-bit model's fused groups and single projections run it eagerly and as one operator in a compiled
-graph. Skipped without
-triton."""
+"""The few-rows GEMM of the fast path's projections (`generation/skinny_linear.py`) under TRITON_INTERPRET=1 (CPU):
+its outputs equal float32 products rounded once to the dtype (rows 1-16, widths and depths that do not fill a tile,
+bias, fp16, 3-D and strided inputs); where it does not apply (float32, more rows, the switch off or unset: the
+kernel is opt-in) `linear` is `F.linear`; a 16-bit model's fused groups and single projections run it eagerly and
+as one operator in a compiled graph. Skipped without triton."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The fused projections' GEMM over a few rows (a decoding step, a verify forward) as one Triton kernel.
+"""The fast path's projection GEMMs over a few rows (a decoding step, a verify forward) as one Triton kernel.
 
 At batch 1 a projection multiplies 1-16 rows with a weight that is read once from memory. cuBLAS picks tiles made
 for wider products there, and on an H200 its fused gate/up GEMM of a Qwen3-4B-shaped model took 29.6 µs where the
@@ -25,7 +25,7 @@ from ..verify import triton_available
 try:
     import triton
     import triton.language as tl
-except ImportError:  # optional: without Triton the fused groups call F.linear
+except ImportError:  # optional: without Triton the projections call F.linear
     triton = None
 
 __all__ = ["MAX_ROWS", "linear", "skinny_linear_applies"]
