@@ -72,7 +72,9 @@ floor is the target's weight bytes over the device's measured copy bandwidth (2 
 first one, from its round statistics, and `ms_outside_steady_rounds`: the rest of the call, prefill included) and
 `prefill_ms` / `ms_per_steady_token` (plain: the prefill timed alone, one new token, and the rest per token).
 Compiled, `static_generate` prefills a prompt of up to 512 tokens as graphed 64-token chunks; `--eager-prefill`
-runs it as one eager forward instead (before 2026-12-07). Summary keys (batch 1):
+runs it as one eager forward instead (before 2026-12-07). `--inductor NAME=VALUE ...` sets `torch._inductor.config`
+values for the run (recorded as `inductor_settings`), and the environment records `DSPARK_SKINNY_LINEAR`, the few-rows
+GEMM's switch: both for comparisons. Summary keys (batch 1):
 `round_time_over_floor_4b` / `_8b` (`dspark_static_compiled`'s ms per steady round over the floor;
 `plain_step_over_floor_*` the same for `plain_static_compiled`'s ms per steady token), and for the fixture `tau`
 and `speedup_over_fast_plain` (`dspark_static_compiled` tokens/s over the fastest of `plain_eager`,

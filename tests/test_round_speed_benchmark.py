@@ -80,9 +80,10 @@ def test_smoke_run_writes_batch_1_and_batch_4(tmp_path, monkeypatch):
     assert set(entry["methods"]) == BATCH_1 and set(entry["batch_4"]["methods"]) == BATCHED
     assert entry["batch_4"]["batch"] == 4 and "not_measured" in entry and "not_measured" in entry["batch_4"]
     monkeypatch.setattr(sys, "argv", ["round_speed.py", "--model", "smoke", "--device", "cpu", "--new-tokens", "6",
-                                      "--out", str(out)])
+                                      "--out", str(out), "--inductor", "combo_kernels=0"])  # (inductor's default)
     round_speed.main()  # a batch-1 run keeps the batch-4 entry
-    assert "batch_4" in json.loads(out.read_text())["models"]["smoke"]
+    entry = json.loads(out.read_text())["models"]["smoke"]
+    assert "batch_4" in entry and entry["inductor_settings"] == ["combo_kernels=0"]
     assert out.with_suffix(".png").exists()
 
 
