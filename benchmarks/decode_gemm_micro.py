@@ -85,9 +85,10 @@ torch.cuda.synchronize(); bw = 2 * x.numel() * 5 / (time.perf_counter() - t); de
 out["copy_GBps"] = bw / 1e9; print("copy GB/s", bw / 1e9, flush=True)
 
 which = sys.argv[1] if len(sys.argv) > 1 else "4b"
-H, I, Q, KV = {"4b": (2560, 9728, 4096, 1024), "8b": (4096, 12288, 4096, 1024), "code50m": (512, 1536, 512, 256)}[which]
-shapes = {"q": (Q, H), "k": (KV, H), "kv": (2 * KV, H), "o": (H, Q), "gate": (I, H), "down": (H, I), "qkv": (Q + 2 * KV, H),
-          "gate_up": (2 * I, H)}
+H, I, Q, KV = {"4b": (2560, 9728, 4096, 1024), "8b": (4096, 12288, 4096, 1024),
+                "code50m": (512, 1536, 512, 256)}[which]
+shapes = {"q": (Q, H), "k": (KV, H), "kv": (2 * KV, H), "o": (H, Q), "gate": (I, H), "down": (H, I),
+          "qkv": (Q + 2 * KV, H), "gate_up": (2 * I, H)}
 if len(sys.argv) > 2:  # a subset of the shapes, comma-separated
     shapes = {key: shapes[key] for key in sys.argv[2].split(",")}
 TILES = ((16, 256), (16, 512), (32, 128), (32, 256), (64, 128), (64, 256))
@@ -96,7 +97,8 @@ if which == "code50m":  # small weights: smaller tiles, more programs
 CFGS = [(bn, bk, sk, w, st) for bn, bk in TILES for sk in (1, 2, 4) for w in (4,) for st in (3, 4)]
 ROWS = (1, 8, 16)
 try:  # PYTHONPATH=src: time the library's kernel too
-    from dspark_hf.generation.skinny_linear import skinny_linear as library_linear, tiles as library_tiles
+    from dspark_hf.generation.skinny_linear import skinny_linear as library_linear
+    from dspark_hf.generation.skinny_linear import tiles as library_tiles
 except ImportError:
     library_linear = None
 compiled = torch.compile(lambda a, b: F.linear(a, b), mode="max-autotune-no-cudagraphs", dynamic=False)
@@ -135,7 +137,7 @@ for key, (n, k) in shapes.items():
         row["triton_best"] = best
         out[f"{which}/m{m}/{key}"] = row
         print(which, m, key, f"floor {floor:.1f} cublas {row['cublas']:.1f} wxT {row['cublas_wxT']:.1f} "
-              f"inductor {row.get('inductor_max_autotune', float('nan')):.1f} library {row.get('library', float('nan')):.1f} "
-              f"triton {best}", flush=True)
+              f"inductor {row.get('inductor_max_autotune', float('nan')):.1f} "
+              f"library {row.get('library', float('nan')):.1f} triton {best}", flush=True)
     del ws
 json.dump(out, open(os.path.join(OUT, f"gemv_{which}.json"), "w"), indent=1)
