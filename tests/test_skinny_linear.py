@@ -2,9 +2,14 @@
 its outputs equal float32 products rounded once to the dtype (rows 1-16, widths and depths that do not fill a tile,
 bias, fp16, 3-D and strided inputs); where it does not apply (float32, more rows, the switch off or unset: the
 kernel is opt-in) `linear` is `F.linear`; a 16-bit model's fused groups and single projections run it eagerly and
-as one operator in a compiled graph. Skipped without triton."""
+as one operator in a compiled graph; and it compiles to a cubin for the GPU machine's sm_90 without a GPU. Skipped
+without triton."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 # first: switches the interpreter on
 from triton_interpreter import CountingKernel, child_only, interp, run_in_child_process
@@ -126,3 +131,33 @@ def test_a_16_bit_models_projections_run_the_kernel(monkeypatch):
     called = [str(node.target) for node in graphs[0].graph.nodes if node.op == "call_function"]
     assert sum("dspark_hf.skinny_linear" in name for name in called) == 4 * model.config.num_hidden_layers
     assert torch.equal(traced, fused)
+
+
+COMPILE_FOR_SM90 = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from dspark_hf.generation import skinny_linear as skinny
+signature = {name: "*bf16" for name in ("x_ptr", "w_ptr", "bias_ptr", "out_ptr")}
+signature.update({name: "i32" for name in ("rows", "columns", "depth", "s_x", "s_w", "s_out")})
+tiles = [(block_n, block_k) for block_n in (16, 32, 64) for block_k in (64, 128)]  # every pair `tiles` may pick
+for index, (block_n, block_k) in enumerate(tiles):
+    bias = index % 2 == 1
+    constants = dict(HAS_BIAS=bias, BLOCK_M=skinny.MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=False)
+    signature.update({name: "constexpr" for name in constants})
+    source = ASTSource(fn=skinny._skinny_linear, signature=signature, constexprs=constants)
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3))
+    assert kernel.asm["cubin"] and "mma" in kernel.asm["ptx"], (block_n, block_k)
+print("compiled")
+"""
+
+
+@interp  # (once: in this process when it interprets, else in the child; the compiler runs in its own process)
+def test_the_kernel_compiles_for_the_gpu_machines_architecture():
+    """Triton's CUDA compiler (no GPU needed) builds the kernel with each of its tiles for sm_90, the H100/H200's."""
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    proc = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90], env=env, capture_output=True, text=True,
+                          timeout=300)
+    if proc.returncode and "ptxas" in proc.stderr and "not found" in proc.stderr.lower():
+        pytest.skip("no ptxas for Triton's CUDA backend")
+    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stderr[-3000:]
