@@ -82,6 +82,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     flat = x.reshape(-1, x.shape[-1])
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
+    if bias is not None and bias.stride(0) != 1:
+        bias = bias.contiguous()
     rows, depth = flat.shape
     columns = weight.shape[0]
     # (the interpreter casts float32 to bfloat16 by truncation: it stores float32, and torch rounds as the GPU does)
@@ -103,7 +105,7 @@ def _(x, weight, bias=None):
 
 def skinny_linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear` runs the kernel: 16-bit weights and input on a Triton device, at most MAX_ROWS rows, and
-    the switch not off."""
+    `DSPARK_SKINNY_LINEAR=1` (off by default)."""
     return (triton is not None and os.environ.get(SWITCH_VARIABLE, DEFAULT) == "1"
             and weight.dtype in (torch.float16, torch.bfloat16) and x.dtype == weight.dtype
             and x.numel() <= MAX_ROWS * x.shape[-1] and weight.stride(1) == 1 and x.device == weight.device
