@@ -527,9 +527,9 @@ def main() -> None:
     parser.add_argument("--inductor", nargs="*", default=[], metavar="NAME=VALUE",
                         help="torch._inductor.config settings for this run, e.g. combo_kernels=1 (an experiment)")
     args = parser.parse_args()
-    for setting in args.inductor:
-        import torch._inductor.config as inductor_config
+    import torch._inductor.config as inductor_config
 
+    for setting in args.inductor:
         name, value = setting.split("=", 1)
         setattr(inductor_config, name, type(getattr(inductor_config, name))(int(value)))
     if args.eager_prefill:

@@ -289,6 +289,8 @@ def test_static_generate_on_cuda_replays_one_graph_and_equals_plain_generate(wit
 def test_the_few_rows_gemm_on_cuda_rounds_as_float32_products_and_keeps_bf16_tokens(direct, monkeypatch):
     """`skinny_linear`'s kernel compiled for the GPU: products of 1-16 rows round as float32 sums do (to one unit in
     the last place); a bf16 target's compiled rounds run it and give the tokens of eager rounds on cuBLAS."""
+    from triton_interpreter import CountingKernel  # (triton is imported already: the interpreter stays off)
+
     from dspark_hf.generation import skinny_linear as skinny
 
     monkeypatch.setenv(skinny.SWITCH_VARIABLE, "1")
@@ -308,14 +310,8 @@ def test_the_few_rows_gemm_on_cuda_rounds_as_float32_products_and_keeps_bf16_tok
     monkeypatch.setenv(skinny.SWITCH_VARIABLE, "0")
     expected = static_generate(target, drafter, ids, 30, compile=False)
     monkeypatch.setenv(skinny.SWITCH_VARIABLE, "1")
-    kernel, launches = skinny._skinny_linear, []
-
-    class Counting:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return kernel[grid]
-
-    monkeypatch.setattr(skinny, "_skinny_linear", Counting())
+    launches = []
+    monkeypatch.setattr(skinny, "_skinny_linear", CountingKernel(skinny._skinny_linear, launches))
     torch._dynamo.reset()
     assert torch.equal(static_generate(target, drafter, ids, 30, compile=True), expected)
     assert launches and StaticRound._kept[drafter].compiled.captured

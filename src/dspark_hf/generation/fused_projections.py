@@ -143,6 +143,14 @@ def _fusable(members: list[nn.Module], shared: set[int]) -> bool:
 _fused_groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def _in_place(module: nn.Module, names: list[str], group: ProjectionGroup | None) -> bool:
+    """Whether a recorded entry still holds: the group's members under `names` of `module`, intact (a single
+    projection: still a `FewRowsLinear`)."""
+    if group is None:
+        return isinstance(getattr(module, names[0], None), FewRowsLinear)
+    return group.members == [getattr(module, name, None) for name in names] and group.intact()
+
+
 @torch.no_grad()
 def fuse_projections(model: nn.Module) -> int:
     """Fuses every group of sibling projections in `model` (see the module docstring); a group fused before whose
@@ -150,10 +158,7 @@ def fuse_projections(model: nn.Module) -> int:
     groups of the last call are all in place and intact, it returns 0 at once, without walking the model (the walk
     was most of the fast path's host set-up per call: benchmarks/fast_path_setup.py)."""
     recorded = _fused_groups.get(model)
-    if recorded is not None and all(
-            group.members == [getattr(module, name, None) for name in names] and group.intact()
-            if group is not None else isinstance(getattr(module, names[0], None), FewRowsLinear)
-            for module, names, group in recorded):
+    if recorded is not None and all(_in_place(*entry) for entry in recorded):
         return 0
     fused, seen, shared, record = 0, set(), set(), []
     for _, parameter in model.named_parameters(remove_duplicate=False):
