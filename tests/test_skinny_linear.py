@@ -98,6 +98,10 @@ def test_where_it_does_not_apply_linear_is_f_linear(monkeypatch):
     monkeypatch.setenv(skinny.SWITCH_VARIABLE, "1")
     skinny.linear(x, weight)
     assert len(launches) == 1
+    monkeypatch.setenv(skinny.SWITCH_VARIABLE, "fused")  # the fused groups' GEMMs only
+    assert torch.equal(skinny.linear(x, weight, fused=False), F.linear(x, weight)) and len(launches) == 1
+    skinny.linear(x, weight, fused=True)
+    assert len(launches) == 2
 
 
 @interp
@@ -118,6 +122,12 @@ def test_a_16_bit_models_projections_run_the_kernel(monkeypatch):
     # q/k/v, o, gate/up and down: one launch each per layer (the LM head, not a projection, stays on F.linear)
     assert len(launches) == 4 * model.config.num_hidden_layers
     assert (fused - expected).abs().max() <= 0.05 * expected.abs().max()
+    monkeypatch.setenv(skinny.SWITCH_VARIABLE, "fused")  # q/k/v and gate/up only: o and down keep F.linear
+    launches.clear()
+    with torch.no_grad(), projection_fusion():
+        model(ids)
+    assert len(launches) == 2 * model.config.num_hidden_layers
+    monkeypatch.setenv(skinny.SWITCH_VARIABLE, "1")
     graphs = []
 
     def backend(graph, example_inputs):

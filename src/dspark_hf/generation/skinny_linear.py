@@ -10,7 +10,8 @@ so results agree to the dtype's rounding, not bit for bit.
 
 Used inside `fused_projections.projection_fusion()` (the fast path) by the fused groups and the single projections
 for 16-bit weights on CUDA with at most `MAX_ROWS` rows (a wider batch keeps cuBLAS), when `DSPARK_SKINNY_LINEAR=1`
-is in the environment (read when a forward is traced); off by default.
+is in the environment (`fused`: the fused groups only, o and down keep cuBLAS; read when a forward is traced); off
+by default.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ except ImportError:  # optional: without Triton the projections call F.linear
 __all__ = ["MAX_ROWS", "linear", "skinny_linear_applies"]
 
 MAX_ROWS = 16  # one dot tile of rows
-SWITCH_VARIABLE = "DSPARK_SKINNY_LINEAR"  # "1": the kernel where it applies; "0": cuBLAS for every row count
+SWITCH_VARIABLE = "DSPARK_SKINNY_LINEAR"  # "1": the kernel where it applies; "fused": for fused groups only; "0": off
 DEFAULT = "0"  # off until a GPU run shows it pays (the kernel is timed against cuBLAS on the GPU machine)
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -103,17 +104,18 @@ def _(x, weight, bias=None):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-def skinny_linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def skinny_linear_applies(x: torch.Tensor, weight: torch.Tensor, fused: bool = True) -> bool:
     """Whether `linear` runs the kernel: 16-bit weights and input on a Triton device, at most MAX_ROWS rows, and
-    `DSPARK_SKINNY_LINEAR=1` (off by default)."""
-    return (triton is not None and os.environ.get(SWITCH_VARIABLE, DEFAULT) == "1"
+    `DSPARK_SKINNY_LINEAR=1` (or `fused`, for a fused group's weight: `fused=True`; off by default)."""
+    switch = os.environ.get(SWITCH_VARIABLE, DEFAULT)
+    return (triton is not None and (switch == "1" or (switch == "fused" and fused))
             and weight.dtype in (torch.float16, torch.bfloat16) and x.dtype == weight.dtype
             and x.numel() <= MAX_ROWS * x.shape[-1] and weight.stride(1) == 1 and x.device == weight.device
             and triton_available(x.device))
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear`, through the kernel where `skinny_linear_applies`."""
-    if skinny_linear_applies(x, weight):
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, fused: bool = True) -> torch.Tensor:
+    """`F.linear`, through the kernel where `skinny_linear_applies` (`fused`: the weight is a fused group's)."""
+    if skinny_linear_applies(x, weight, fused):
         return skinny_linear(x, weight, bias)
     return F.linear(x, weight, bias)
