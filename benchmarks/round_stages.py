@@ -29,7 +29,7 @@ def measure(name: str, dtype: torch.dtype, device: str, rounds: int) -> dict:
         profile = profile_static_round(target, drafter, prompt, rounds=rounds, compile=target.device.type == "cuda")
     entry = dict(profile.as_dict(), prompt_tokens=prompt.shape[1], dtype=str(dtype).replace("torch.", ""),
                  split_over_fused=profile.split_round / profile.fused_round)
-    floor_ms = round_speed.weight_read_floor(target)["floor_ms"]
+    floor_ms = round_speed.weight_read_floor(target, drafter)["floor_ms"]
     if floor_ms:
         entry["floor_ms"] = floor_ms
     return entry

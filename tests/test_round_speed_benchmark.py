@@ -111,10 +111,11 @@ def test_summary_compares_with_the_fastest_plain_method_and_the_floor():
     shape = rows(plain_static_compiled=250.0, dspark_static_compiled=100.0)
     shape["dspark_static_compiled"].update(ms_per_round=6.0)
     summary = round_speed.summarize({"code50m": dict(methods=fixture),
-                                     "qwen3-4b-shape": dict(floor_ms=2.0, methods=shape)})
+                                     "qwen3-4b-shape": dict(floor_ms=2.0, round_floor_ms=2.5, methods=shape)})
     assert summary["fast_plain_method"] == "plain_static_compiled"
     assert summary["speedup_over_fast_plain"] == pytest.approx(2.0) and summary["speedup_goal"] == pytest.approx(3.2)
     assert summary["round_time_over_floor_4b"] == pytest.approx(3.0)
+    assert summary["round_time_over_round_floor_4b"] == pytest.approx(2.4)
     assert summary["plain_step_over_floor_4b"] == pytest.approx(2.0)
     assert "round_time_over_floor_8b" not in summary
 
@@ -162,3 +163,17 @@ def test_fast_path_setup_times_the_set_up_both_ways(smoke, monkeypatch):
     assert all(value > 0 for value in times.values())
     # per block: 3 calls x 2 models; the parts' own fuse_projections calls (3 per model and block) find a record
     assert found.count(False) >= 2 * 3 * 2 and found.count(True) >= 2 * 3 * 2 * 2
+
+
+def test_the_round_floor_counts_the_drafters_own_weights_but_its_embedding(smoke):
+    target, drafter = smoke[:2]
+    floor = round_speed.weight_read_floor(target, drafter)
+    expected = sum(p.numel() * 4 for name, p in drafter.named_parameters() if not name.startswith("embed_tokens"))
+    assert floor["drafter_weight_bytes"] == expected > 0
+    assert floor["weight_bytes"] == sum(p.numel() * 4 for p in target.parameters())
+    assert floor["floor_ms"] is None and floor["round_floor_ms"] is None  # no bandwidth measured on the CPU
+    own_head, drafter.lm_head.weight = drafter.lm_head.weight, target.lm_head.weight  # a tensor the target holds
+    try:  # counts once
+        assert round_speed.weight_read_floor(target, drafter)["drafter_weight_bytes"] == expected - 4 * 96 * 32
+    finally:
+        drafter.lm_head.weight = own_head
