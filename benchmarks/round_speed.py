@@ -261,9 +261,10 @@ def weight_read_floor(target, drafter) -> dict:
     target, and not its input embedding, of which a round reads a few rows)."""
     bandwidth = copy_bandwidth(target.device)
     weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
-    not_own = {p.data_ptr() for p in target.parameters()} | {drafter.get_input_embeddings().weight.data_ptr()}
+    targets = {id(p) for p in target.parameters()}
+    not_own = {"embed_tokens"} | drafter.weights_from_target  # module names
     drafter_bytes = sum(p.numel() * p.element_size() for name, p in drafter.named_parameters()
-                        if p.data_ptr() not in not_own and name not in drafter.weights_from_target)
+                        if id(p) not in targets and name.split(".")[0] not in not_own)
     return dict(weight_bytes=weight_bytes, drafter_weight_bytes=drafter_bytes, copy_bandwidth_bytes_per_s=bandwidth,
                 floor_ms=1e3 * weight_bytes / bandwidth if bandwidth else None,
                 round_floor_ms=1e3 * (weight_bytes + drafter_bytes) / bandwidth if bandwidth else None)

@@ -177,3 +177,21 @@ def test_the_round_floor_counts_the_drafters_own_weights_but_its_embedding(smoke
         assert round_speed.weight_read_floor(target, drafter)["drafter_weight_bytes"] == expected - 4 * 96 * 32
     finally:
         drafter.lm_head.weight = own_head
+    drafter.weights_from_target = {"lm_head"}  # a checkpoint without its LM head: the target's, once shared
+    try:
+        assert round_speed.weight_read_floor(target, drafter)["drafter_weight_bytes"] == expected - 4 * 96 * 32
+    finally:
+        drafter.weights_from_target = set()
+
+
+def test_the_committed_rows_round_floors_count_on_meta_and_agree_with_the_committed_summary(capsys):
+    round_floor = pytest.importorskip("round_floor")
+    if not round_floor.SOURCE.is_file():
+        pytest.skip("no committed round_speed_h200.json")
+    round_floor.main()
+    models = json.loads(capsys.readouterr().out)["models"]
+    summary = json.loads(round_floor.SOURCE.read_text())
+    for label, name in (("4b", "qwen3-4b-shape"), ("8b", "qwen3-8b-shape")):
+        row = models[name]
+        assert row["round_time_over_floor"] == pytest.approx(summary[f"round_time_over_floor_{label}"])
+        assert row["drafter_weight_bytes"] > 0 and row["round_time_over_round_floor"] < row["round_time_over_floor"]
