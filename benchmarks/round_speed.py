@@ -256,15 +256,14 @@ def copy_bandwidth(device: torch.device) -> float | None:
 
 def weight_read_floor(target, drafter) -> dict:
     """The target's weight bytes, the device's copy bandwidth (None on the CPU) and the time to read the weights once
-    at that bandwidth (`floor_ms`, None on the CPU); `round_floor_ms` the same for the bytes a DSpark round reads at
-    least once: the target's weights and the drafter's own (`drafter_weight_bytes`: not those it takes from the
-    target, and not its input embedding, of which a round reads a few rows)."""
+    at that bandwidth (`floor_ms`, None on the CPU); `round_floor_ms` the same for the bytes a DSpark round reads:
+    the target's weights and every weight of the drafter's forward (`drafter_weight_bytes`) but its input embedding,
+    of which a round reads a few rows. An LM head taken from the target counts again: the draft and the verify each
+    read all of it, one after the other, and it is far larger than the L2 cache."""
     bandwidth = copy_bandwidth(target.device)
     weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
-    targets = {id(p) for p in target.parameters()}
-    not_own = {"embed_tokens"} | drafter.weights_from_target  # module names
-    drafter_bytes = sum(p.numel() * p.element_size() for name, p in drafter.named_parameters()
-                        if id(p) not in targets and name.split(".")[0] not in not_own)
+    drafter_bytes = sum(p.numel() * p.element_size() for name, p in drafter.named_parameters(remove_duplicate=False)
+                        if name.split(".")[0] != "embed_tokens")
     return dict(weight_bytes=weight_bytes, drafter_weight_bytes=drafter_bytes, copy_bandwidth_bytes_per_s=bandwidth,
                 floor_ms=1e3 * weight_bytes / bandwidth if bandwidth else None,
                 round_floor_ms=1e3 * (weight_bytes + drafter_bytes) / bandwidth if bandwidth else None)
