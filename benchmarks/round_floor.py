@@ -2,10 +2,10 @@
 
     PYTHONPATH=src:benchmarks python benchmarks/round_floor.py > benchmarks/results/round_floor_h200_rows_cpu.json
 
-Counts the target's and the drafter's own weight bytes (`round_speed.weight_read_floor`) on the Qwen3-4B and 8B
-shapes' models built on the meta device, and divides the steady rounds of `results/round_speed_h200.json` by the
-floors at that file's measured copy bandwidth. No new timing: newer round_speed.py runs record the same keys
-(`round_floor_ms`, `round_time_over_round_floor_*`) themselves.
+Counts the target's weight bytes and the drafter's but its input embedding (`round_speed.weight_read_floor`) on the
+Qwen3-4B and 8B shapes' models built on the meta device, and divides the steady rounds of
+`results/round_speed_h200.json` by the floors at that file's measured copy bandwidth. No new timing: newer
+round_speed.py runs record the same keys (`round_floor_ms`, `round_time_over_round_floor_*`) themselves.
 """
 import json
 import sys
