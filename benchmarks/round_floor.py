@@ -22,17 +22,12 @@ def main() -> None:
     out = dict(command="python " + " ".join(sys.argv), source=str(SOURCE.relative_to(round_speed.REPO)), models={})
     for name in ("qwen3-4b-shape", "qwen3-8b-shape"):
         target, drafter, _ = round_speed.models(name, torch.bfloat16, "meta")
-        counted = round_speed.weight_read_floor(target, drafter)
         row = committed[name]
-        bandwidth = row["copy_bandwidth_bytes_per_s"]
+        counted = round_speed.weight_read_floor(target, drafter, bandwidth=row["copy_bandwidth_bytes_per_s"])
         steady_ms = row["methods"]["dspark_static_compiled"]["ms_per_steady_round"]
-        floor_ms = 1e3 * counted["weight_bytes"] / bandwidth
-        round_floor_ms = 1e3 * (counted["weight_bytes"] + counted["drafter_weight_bytes"]) / bandwidth
         out["models"][name] = dict(
-            weight_bytes=counted["weight_bytes"], drafter_weight_bytes=counted["drafter_weight_bytes"],
-            copy_bandwidth_bytes_per_s=bandwidth, ms_per_steady_round=steady_ms, floor_ms=floor_ms,
-            round_floor_ms=round_floor_ms, round_time_over_floor=steady_ms / floor_ms,
-            round_time_over_round_floor=steady_ms / round_floor_ms)
+            **counted, ms_per_steady_round=steady_ms, round_time_over_floor=steady_ms / counted["floor_ms"],
+            round_time_over_round_floor=steady_ms / counted["round_floor_ms"])
     print(json.dumps(out, indent=1))
 
 

@@ -254,13 +254,14 @@ def copy_bandwidth(device: torch.device) -> float | None:
     return 2 * source.numel() / sorted(times[1:])[2]
 
 
-def weight_read_floor(target, drafter) -> dict:
-    """The target's weight bytes, the device's copy bandwidth (None on the CPU) and the time to read the weights once
-    at that bandwidth (`floor_ms`, None on the CPU); `round_floor_ms` the same for the bytes a DSpark round reads:
-    the target's weights and every weight of the drafter's forward (`drafter_weight_bytes`) but its input embedding,
-    of which a round reads a few rows. An LM head taken from the target counts again: the draft and the verify each
-    read all of it, one after the other, and it is far larger than the L2 cache."""
-    bandwidth = copy_bandwidth(target.device)
+def weight_read_floor(target, drafter, bandwidth: float | None = None) -> dict:
+    """The target's weight bytes, the device's copy bandwidth (`bandwidth` where given, else measured: None on the
+    CPU) and the time to read the weights once at that bandwidth (`floor_ms`, None without a bandwidth);
+    `round_floor_ms` the same for the bytes a DSpark round reads: the target's weights and every weight of the
+    drafter's forward (`drafter_weight_bytes`) but its input embedding, of which a round reads a few rows. An LM head
+    taken from the target counts again: the draft and the verify each read all of it, one after the other, and it is
+    far larger than the L2 cache."""
+    bandwidth = bandwidth or copy_bandwidth(target.device)
     weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
     drafter_bytes = sum(p.numel() * p.element_size() for name, p in drafter.named_parameters(remove_duplicate=False)
                         if name.split(".")[0] != "embed_tokens")

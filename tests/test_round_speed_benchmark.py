@@ -165,7 +165,7 @@ def test_fast_path_setup_times_the_set_up_both_ways(smoke, monkeypatch):
     assert found.count(False) >= 2 * 3 * 2 and found.count(True) >= 2 * 3 * 2 * 2
 
 
-def test_the_round_floor_counts_the_drafters_own_weights_but_its_embedding(smoke):
+def test_the_round_floor_counts_the_drafters_weights_but_its_embedding(smoke):
     target, drafter = smoke[:2]
     floor = round_speed.weight_read_floor(target, drafter)
     expected = sum(p.numel() * 4 for name, p in drafter.named_parameters() if not name.startswith("embed_tokens"))
