@@ -210,7 +210,7 @@
 #        300 s of other work on a fresh machine): give it a call of its own;
 #     0. the few-rows GEMM (generation/skinny_linear.py, opt-in; 2026-12-07, 52nd session: written, but none of 23
 #        device calls got a machine, so never run on a GPU; the 53rd session's 22 calls got none either, nor the
-#        54th's 9, after which new loans were paused):
+#        54th's 9, after which new loans were paused; the 55th was lent none):
 #        `pytest tests/test_cuda_graphs.py -k few_rows`, then `DSPARK_SKINNY_LINEAR=0`, `=fused` (q/k/v and gate/up
 #        only) and `=1` around `round_speed.py --model code50m --methods plain_static_compiled
 #        dspark_static_compiled` (and the same for qwen3-4b-shape), and `decode_gemm_micro.py code50m` / `4b` for the
